@@ -1,0 +1,53 @@
+"""Parameter trees of a model: shapes from the spec, random initialisation (benchmarks, tests).
+
+Tree layout:
+  {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
+   "groups": {group_name: {param: [L_group, ...]}}}
+`jax.eval_shape(init_params, ...)` gives exact shapes and bytes without allocating (used by the planner).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tbjax.model.kinds import ATTENTION_KINDS, FFN_KINDS, require_kind
+from tbjax.spec import ModelSpec
+
+
+def group_shapes(spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
+    out = {}
+    for g in spec.layer_groups:
+        require_kind(spec, g.attention, g.ffn)
+        per = {**ATTENTION_KINDS[g.attention].shapes(spec), **FFN_KINDS[g.ffn].shapes(spec)}
+        out[g.name] = {k: (len(g.layers), *v) for k, v in per.items()}
+    return out
+
+
+def param_shapes(spec: ModelSpec, dtype=None):
+    dtype = jnp.dtype(dtype or spec.dtype)
+    sd = lambda shp: jax.ShapeDtypeStruct(shp, dtype)  # noqa: E731
+    tree = {"embed": sd((spec.vocab_size, spec.d_model)), "final_norm": sd((spec.d_model,)),
+            "groups": {g: {k: sd(v) for k, v in ps.items()} for g, ps in group_shapes(spec).items()}}
+    if not spec.tie_embeddings:
+        tree["lm_head"] = sd((spec.d_model, spec.vocab_size))
+    return tree
+
+
+def _is_norm(spec, group, name):
+    g = next(x for x in spec.layer_groups if x.name == group)
+    return name in ATTENTION_KINDS[g.attention].norms or name in FFN_KINDS[g.ffn].norms
+
+
+def init_params(spec: ModelSpec, key, dtype=None, std: float = 0.02):
+    """Random weights at the spec's real shapes (norms = 1)."""
+    shapes = param_shapes(spec, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, s), k in zip(leaves, keys):
+        names = [getattr(p, "key", None) for p in path]
+        if names[-1] == "final_norm" or (names[0] == "groups" and _is_norm(spec, names[1], names[-1])):
+            out.append(jnp.ones(s.shape, s.dtype))
+        else:
+            out.append((jax.random.normal(k, s.shape, jnp.float32) * std).astype(s.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)

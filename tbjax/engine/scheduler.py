@@ -1,0 +1,622 @@
+"""Continuous-batching scheduler: decides, step by step, which tokens of which sequences run on which dp rank.
+
+Each step (``schedule``) builds a decode-maximal batch under a token budget:
+1. every running sequence with one token left (a decode) gets that token, oldest first;
+2. running sequences still prefilling get their next chunk (at most ``max_prefill_chunk`` tokens);
+3. while budget and sequence slots remain, the head of the waiting queue is admitted (first come, first
+   served: the head is never skipped, so nobody starves) to the dp rank where it fits best, reusing
+   any cached prefix there, and gets its first chunk.
+A prefill chunk samples only when it reaches the sequence's last token; a readmitted sequence simply
+prefills prompt + output again.
+
+Pages: each dp rank has its own ``PageAllocator`` and (optionally) ``PrefixCache``. A step allocates the
+pages that its tokens need, evicting unused cached pages first. When a rank is out of pages:
+- ``preemption="recompute"``: the newest running sequence of that rank (by arrival) is preempted: its
+  computed full pages go to the prefix cache, the rest is freed, and it goes back to the front of the
+  waiting queue. Admission needs pages only for the first chunk.
+- ``preemption="never"``: admission reserves the worst case (prompt + max_tokens - 1 KV positions, less
+  the cached prefix) up front, so a running sequence never runs out and nothing is ever preempted.
+
+A request that could never fit (over ``max_model_len``, or more pages than one rank has) is refused by
+``add`` with ``RequestTooLarge``. Protocol: ``schedule`` -> run the batch -> ``on_step_done``, strictly
+alternating; ``abort`` / ``finish`` free a sequence's pages at once. Block tables can change between
+steps (page deduplication when prefixes are inserted), so read ``seq.block_table`` fresh every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import operator
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Mapping
+
+from .page_allocator import PageAllocator
+from .prefix_cache import CacheNode, PrefixCache, PrefixMatch
+from .request import FinishReason, Sequence, SequenceStatus, StepOutput
+
+__all__ = ["RequestTooLarge", "SchedulerConfig", "ScheduledEntry", "ScheduledBatch", "Scheduler"]
+
+PREEMPTION_MODES = ("recompute", "never")
+
+
+class RequestTooLarge(ValueError):
+    """The request can never be served: prompt + max_tokens exceeds the model's context or one rank's pages."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler settings. ``num_pages`` is per dp rank and includes the null page when it is reserved."""
+
+    num_pages: int
+    page_size: int = 16
+    dp: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None  # None: up to the token budget
+    max_model_len: int | None = None  # None: limited only by one rank's pages
+    enable_prefix_caching: bool = True
+    preemption: str = "recompute"
+    reserve_null_page: bool = True
+
+    def __post_init__(self):
+        for name in ("num_pages", "page_size", "dp", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("max_prefill_chunk", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 1, got {v!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"SchedulerConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
+                "the budget must hold one decode token for every running sequence")
+        if self.num_pages <= int(self.reserve_null_page):
+            raise ValueError(f"num_pages={self.num_pages} leaves no usable page per rank")
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - int(self.reserve_null_page)
+
+    @property
+    def chunk_size(self) -> int:
+        c = self.max_prefill_chunk
+        return self.max_num_batched_tokens if c is None else min(c, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledEntry:
+    """Compute ``seq.token_ids[start:start+num_tokens]`` (positions start..start+num_tokens-1) of ``seq``;
+    ``samples``: the last of them yields a new token (decodes and final prefill chunks)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+    is_decode: bool
+
+    @property
+    def seq_id(self) -> Hashable:
+        return self.seq.seq_id
+
+    @property
+    def dp_rank(self) -> int:
+        return self.seq.dp_rank
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.seq.block_table
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+
+    @property
+    def end(self) -> int:
+        """Context length after this step (positions computed so far + this chunk)."""
+        return self.start + self.num_tokens
+
+
+@dataclass(eq=False)
+class ScheduledBatch:
+    """One step's work: decode entries first, then prefill chunks."""
+
+    step: int
+    entries: list[ScheduledEntry]
+    preempted: list[Hashable] = field(default_factory=list)  # seq ids preempted while building this batch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(e.is_decode for e in self.entries)
+
+    @property
+    def decode_entries(self) -> list[ScheduledEntry]:
+        return [e for e in self.entries if e.is_decode]
+
+    @property
+    def prefill_entries(self) -> list[ScheduledEntry]:
+        return [e for e in self.entries if not e.is_decode]
+
+    @property
+    def max_num_pages(self) -> int:
+        return max((len(e.seq.block_table) for e in self.entries), default=0)
+
+    def by_rank(self, dp: int) -> list[list[ScheduledEntry]]:
+        out = [[] for _ in range(dp)]
+        for e in self.entries:
+            out[e.seq.dp_rank].append(e)
+        return out
+
+    def __iter__(self) -> Iterator[ScheduledEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class _Rank:
+    """Pages of one dp rank: allocator, prefix cache, worst-case reservations ("never" mode)."""
+
+    def __init__(self, idx: int, cfg: SchedulerConfig):
+        self.idx = idx
+        self.allocator = PageAllocator(cfg.num_pages, cfg.page_size, reserve_null_page=cfg.reserve_null_page)
+        self.cache = PrefixCache(self.allocator) if cfg.enable_prefix_caching else None
+        self.reserved = 0
+        self.num_running = 0
+
+    @property
+    def evictable(self) -> int:
+        return self.cache.num_evictable if self.cache is not None else 0
+
+    @property
+    def headroom(self) -> int:
+        """Pages obtainable now (free + evictable) that no reservation has claimed."""
+        return self.allocator.num_free + self.evictable - self.reserved
+
+
+@dataclass
+class _Plan:
+    rank: _Rank
+    match: PrefixMatch | None
+    start: int
+    num_tokens: int
+    new_pages: int  # pages to take now (recompute) or reserve (never)
+    unlocked: int  # cached pages on the match path that locking takes off the evictable count
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill over ``dp`` ranks of paged KV (see module docstring)."""
+
+    def __init__(self, config: SchedulerConfig):
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"Scheduler needs a SchedulerConfig, got {type(config).__name__}")
+        self.config = config
+        self.page_size = config.page_size
+        self.ranks = [_Rank(i, config) for i in range(config.dp)]
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []  # sorted by arrival
+        self._seqs: dict[Hashable, Sequence] = {}
+        self._arrivals = 0
+        self._step = 0
+        self._inflight: ScheduledBatch | None = None
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        limit = config.usable_pages * config.page_size
+        self.max_model_len = limit if config.max_model_len is None else config.max_model_len
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> Sequence:
+        """Queue a new request; raises ``RequestTooLarge`` if it could never be served."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"add() takes a tbjax.engine.Sequence, got {type(seq).__name__}")
+        if seq.status is not SequenceStatus.WAITING or seq.arrival >= 0:
+            raise ValueError(f"sequence {seq.seq_id!r} was already added to a scheduler")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"a request with id {seq.seq_id!r} is already queued or running")
+        total = seq.num_prompt_tokens + seq.max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLarge(
+                f"request {seq.seq_id!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) "
+                f"= {total} exceeds max_model_len={self.max_model_len}")
+        pages = _cdiv(seq.max_kv_tokens, self.page_size)
+        if pages > self.config.usable_pages:
+            raise RequestTooLarge(
+                f"request {seq.seq_id!r}: prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) needs "
+                f"{pages} KV pages of {self.page_size} tokens but a dp rank has only {self.config.usable_pages}")
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self._seqs[seq.seq_id] = seq
+        self._waiting.append(seq)
+        return seq
+
+    def get(self, seq_id: Hashable) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def abort(self, seq_id: Hashable) -> bool:
+        """Cancel a waiting or running request, freeing its pages now. False if unknown or already done."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        self.num_aborted += 1
+        return True
+
+    def finish(self, seq_id: Hashable, reason: FinishReason = FinishReason.STOP) -> bool:
+        """Finish a request early (e.g. a stop string the caller detected), freeing its pages now."""
+        if not isinstance(reason, FinishReason):
+            raise ValueError(f"finish reason must be a FinishReason, got {reason!r}")
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._release(seq)
+            self._running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+        if reason is not FinishReason.ABORT:
+            self.num_finished += 1
+
+    # -- queries --------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self._waiting)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens all ranks can hold."""
+        return sum(r.allocator.capacity_tokens for r in self.ranks)
+
+    # -- pages ----------------------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        """Drop everything a running sequence holds: its cache lock, its page references, its reservation."""
+        r = self.ranks[seq.dp_rank]
+        if seq._cache_node is not None:
+            r.cache.unlock(seq._cache_node)
+            seq._cache_node = None
+        r.allocator.decref_all(seq.block_table)
+        seq.block_table = []
+        r.reserved -= seq._reserved_pages
+        seq._reserved_pages = 0
+        r.num_running -= 1
+
+    def _tokens_coverable(self, seq: Sequence) -> int:
+        """How many more tokens (from num_computed_tokens) ``seq`` can get pages for right now."""
+        r = self.ranks[seq.dp_rank]
+        pages = len(seq.block_table) + seq._reserved_pages + max(0, r.headroom)
+        return pages * self.page_size - seq.num_computed_tokens
+
+    def _allocate(self, seq: Sequence, upto_tokens: int) -> None:
+        """Extend ``seq.block_table`` to cover ``upto_tokens`` tokens (caller checked that it fits)."""
+        r = self.ranks[seq.dp_rank]
+        need = _cdiv(upto_tokens, self.page_size) - len(seq.block_table)
+        if need <= 0:
+            return
+        short = need - r.allocator.num_free
+        if short > 0 and r.cache is not None:
+            r.cache.evict(short)
+        take = min(need, seq._reserved_pages)
+        seq._reserved_pages -= take
+        r.reserved -= take
+        seq.block_table.extend(r.allocator.allocate(need))  # raises OutOfPages on a bookkeeping bug
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        self._running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.dp_rank = None
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _newest_running_on(self, rank: int) -> Sequence:
+        for s in reversed(self._running):
+            if s.dp_rank == rank:
+                return s
+        raise RuntimeError(f"no running sequence on rank {rank} to preempt")
+
+    # -- admission ------------------------------------------------------------------------------------
+    def _plan(self, seq: Sequence, r: _Rank, budget: int) -> _Plan | None:
+        g = self.page_size
+        tokens = seq.token_ids
+        match = None
+        m = 0
+        unlocked = 0
+        if r.cache is not None:
+            match = r.cache.match(tokens, max_pages=(len(tokens) - 1) // g)  # always recompute >= 1 token
+            m = match.num_pages
+            unlocked = r.cache.num_unlocked_on_path(match.node)
+        start = m * g
+        n = min(len(tokens) - start, self.config.chunk_size, budget)
+        if self.config.preemption == "never":
+            new_pages = _cdiv(seq.max_kv_tokens, g) - m
+        else:
+            new_pages = _cdiv(start + n, g) - m
+        if new_pages + unlocked > r.headroom:
+            return None
+        return _Plan(r, match, start, n, new_pages, unlocked)
+
+    def _admit(self, seq: Sequence, plan: _Plan) -> None:
+        r = plan.rank
+        seq.dp_rank = r.idx
+        seq.status = SequenceStatus.RUNNING
+        seq.block_table = []
+        if plan.match is not None:
+            pages = plan.match.pages
+            for p in pages:
+                r.allocator.incref(p)
+            seq.block_table = list(pages)
+            if pages:
+                r.cache.lock(plan.match.node)
+                seq._cache_node = plan.match.node
+            r.cache.record_query(seq.num_tokens, plan.start)
+        seq.num_computed_tokens = plan.start
+        seq.num_cached_tokens = plan.start
+        if self.config.preemption == "never":
+            seq._reserved_pages = plan.new_pages
+            r.reserved += plan.new_pages
+        r.num_running += 1
+        head = self._waiting.popleft()
+        assert head is seq
+        bisect.insort(self._running, seq, key=lambda s: s.arrival)
+        self._allocate(seq, plan.start + plan.num_tokens)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Build the next batch (allocating its pages); None when there is nothing to run."""
+        if self._inflight is not None:
+            raise RuntimeError(f"schedule() called while step {self._inflight.step} is still in flight: "
+                               "call on_step_done(batch, sampled) first")
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[Hashable, ScheduledEntry] = {}
+        preempted: list[Hashable] = []
+
+        def fit(seq: Sequence, want: int) -> int:
+            """Pages for up to ``want`` tokens of ``seq``, preempting the newest sequences of its rank if
+            needed; returns the tokens granted (0 if ``seq`` itself was preempted)."""
+            nonlocal budget
+            while True:
+                cap = self._tokens_coverable(seq)
+                if cap >= 1:
+                    n = min(want, cap)
+                    self._allocate(seq, seq.num_computed_tokens + n)
+                    return n
+                if cfg.preemption == "never":
+                    raise RuntimeError(f"sequence {seq.seq_id!r} ran out of reserved pages (bookkeeping bug)")
+                victim = self._newest_running_on(seq.dp_rank)
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                old = scheduled.pop(victim.seq_id, None)
+                if old is not None:
+                    budget += old.num_tokens
+                if victim is seq:
+                    return 0
+
+        # 1. decodes, oldest first
+        for seq in list(self._running):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if fit(seq, 1):
+                scheduled[seq.seq_id] = ScheduledEntry(seq, seq.num_computed_tokens, 1, True, True)
+                budget -= 1
+        # 2. running prefills, oldest first
+        for seq in list(self._running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
+                continue
+            want = min(seq.num_uncomputed_tokens, cfg.chunk_size, budget)
+            n = fit(seq, want)
+            if n:
+                start = seq.num_computed_tokens
+                scheduled[seq.seq_id] = ScheduledEntry(seq, start, n, start + n == seq.num_tokens, False)
+                budget -= n
+        # 3. admissions, first come first served (none after a preemption: pages are short)
+        if not preempted:
+            while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+                seq = self._waiting[0]
+                best = None
+                for r in self.ranks:
+                    plan = self._plan(seq, r, budget)
+                    if plan is None:
+                        continue
+                    # most headroom left after admission (a cached prefix counts as saved pages), then fewest running
+                    key = (r.headroom - plan.new_pages - plan.unlocked, -r.num_running, -r.idx)
+                    if best is None or key > best[0]:
+                        best = (key, plan)
+                if best is None:
+                    break  # the head waits for pages; nobody overtakes it
+                plan = best[1]
+                self._admit(seq, plan)
+                n = plan.num_tokens
+                scheduled[seq.seq_id] = ScheduledEntry(seq, plan.start, n, plan.start + n == seq.num_tokens, False)
+                budget -= n
+
+        if not scheduled:
+            if self._seqs:
+                raise RuntimeError("scheduler made no progress with requests pending (bug)")
+            return None
+        entries = sorted(scheduled.values(), key=lambda e: (not e.is_decode, e.seq.arrival))
+        batch = ScheduledBatch(self._step, entries, preempted)
+        self._step += 1
+        self._inflight = batch
+        return batch
+
+    def on_step_done(self, batch: ScheduledBatch, sampled: Mapping[Hashable, int]) -> list[StepOutput]:
+        """Record a finished step: advance computed tokens, cache new full pages, append sampled tokens,
+        apply eos / stop tokens / max_tokens. Returns one ``StepOutput`` per sampling entry still alive."""
+        if batch is not self._inflight:
+            raise RuntimeError("on_step_done() got a batch that is not the one in flight "
+                               "(call schedule() once, then on_step_done() with its batch)")
+        g = self.page_size
+        in_batch = {e.seq_id for e in batch.entries}
+        live = {}
+        for e in batch.entries:
+            if e.seq.status is SequenceStatus.RUNNING and self._seqs.get(e.seq_id) is e.seq:
+                live[e.seq_id] = e
+        tokens = {}
+        for sid, tok in sampled.items():
+            if sid not in in_batch:
+                raise ValueError(f"sampled token for {sid!r}, which is not in step {batch.step}")
+            e = live.get(sid)
+            if e is None:
+                continue  # aborted / finished since schedule(): its token is dropped
+            if not e.samples:
+                raise ValueError(f"sampled token for {sid!r}, whose entry in step {batch.step} is an "
+                                 "intermediate prefill chunk (it does not sample)")
+            try:
+                t = operator.index(tok)
+            except TypeError:
+                t = -1
+            if isinstance(tok, bool) or t < 0:
+                raise ValueError(f"sampled token for {sid!r} must be a non-negative int, got {tok!r}")
+            tokens[sid] = t
+        for sid, e in live.items():
+            if e.samples and sid not in tokens:
+                raise ValueError(f"no sampled token for {sid!r}, whose entry in step {batch.step} samples")
+        self._inflight = None
+        outputs = []
+        for sid, e in live.items():
+            seq = e.seq
+            if seq.num_computed_tokens != e.start:
+                raise RuntimeError(f"{sid!r}: computed {seq.num_computed_tokens} tokens but entry starts at {e.start}")
+            seq.num_computed_tokens = e.end
+            r = self.ranks[seq.dp_rank]
+            if r.cache is not None:
+                node = seq._cache_node or r.cache.root
+                if e.end // g > node.depth:
+                    new = r.cache.insert(node, seq.token_ids[:e.end], seq.block_table)
+                    if new is not node:
+                        if node is r.cache.root:
+                            r.cache.lock(new)
+                        else:
+                            r.cache.move_lock(node, new)
+                        seq._cache_node = new
+            if not e.samples:
+                continue
+            tok = tokens[sid]
+            seq.token_ids.append(tok)
+            reason = seq.check_stop(tok)
+            if reason is None and seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                if reason is FinishReason.STOP:
+                    seq.stop_token_id = tok
+                self._finish(seq, reason)
+            outputs.append(StepOutput(sid, [tok], reason is not None, reason, seq.stop_token_id,
+                                      seq.num_output_tokens))
+        return outputs
+
+    # -- counters and checks --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        ranks = []
+        for r in self.ranks:
+            a = r.allocator
+            d = {
+                "pages_total": a.num_usable,
+                "pages_free": a.num_free,
+                "pages_used": a.num_used,
+                "pages_reserved": r.reserved,
+                "capacity_tokens": a.capacity_tokens,
+                "used_tokens": a.used_tokens,
+                "num_running": r.num_running,
+            }
+            if r.cache is not None:
+                d["prefix_cache"] = r.cache.stats()
+            ranks.append(d)
+        caches = [r.cache for r in self.ranks if r.cache is not None]
+        q = sum(c.query_tokens for c in caches)
+        h = sum(c.hit_tokens for c in caches)
+        return {
+            "step": self._step,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "num_preemptions": self.num_preemptions,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "capacity_tokens": self.capacity_tokens,
+            "pages_used": sum(r.allocator.num_used for r in self.ranks),
+            "pages_free": sum(r.allocator.num_free for r in self.ranks),
+            "prefix_queries": sum(c.num_queries for c in caches),
+            "prefix_query_tokens": q,
+            "prefix_hit_tokens": h,
+            "prefix_hit_rate": h / q if q else 0.0,
+            "ranks": ranks,
+        }
+
+    def check(self) -> None:
+        """Verify all page bookkeeping between steps; raises AssertionError (used by tests)."""
+        g = self.page_size
+        assert len(self._running) <= self.config.max_num_seqs
+        assert [s.arrival for s in self._running] == sorted(s.arrival for s in self._running)
+        for s in self._waiting:
+            assert s.status is SequenceStatus.WAITING and not s.block_table and s._cache_node is None
+            assert s._reserved_pages == 0 and s.dp_rank is None
+        for r in self.ranks:
+            a = r.allocator
+            a.check()
+            holders = collections.Counter()
+            seqs = [s for s in self._running if s.dp_rank == r.idx]
+            assert r.num_running == len(seqs)
+            for s in seqs:
+                assert s.status is SequenceStatus.RUNNING
+                assert len(s.block_table) >= _cdiv(s.num_computed_tokens, g)
+                assert a.null_page is None or a.null_page not in s.block_table
+                holders.update(s.block_table)
+                if s._cache_node is not None:
+                    assert s._cache_node.alive and s._cache_node.lock_ref >= 1
+                    assert s._cache_node.path_pages() == s.block_table[:s._cache_node.depth]
+            cached = set()
+            if r.cache is not None:
+                r.cache.check()
+                cached = r.cache.cached_pages()
+            for p in range(a.num_pages - a.num_usable, a.num_pages):
+                want = holders[p] + (p in cached)
+                assert a.refcount(p) == want, f"rank {r.idx} page {p}: refcount {a.refcount(p)} != holders {want}"
+            assert r.reserved == sum(s._reserved_pages for s in seqs)
+            if self.config.preemption == "never":
+                assert r.headroom >= 0, f"rank {r.idx}: reservations exceed free + evictable pages"

@@ -1,0 +1,473 @@
+"""Mosaic GPU (Hopper) paged attention kernels: decode (split-K, flash-decoding) and ragged prefill.
+
+Why it exists: no maintained paged-attention Pallas kernel exists for GPUs in JAX 0.11 (the Triton ops are
+deprecated, tokamax's Mosaic GPU attention refuses paging). Decode attention is memory-bound, so the kernel
+streams pages with TMA into a ring of `stages` shared-memory slots (several pages in flight), runs all query
+heads of one kv head (and, for prefill, several query tokens) as the M=64 rows of a wgmma, and splits long
+contexts over programs whose partial (o, m, l) are combined afterwards (one XLA fusion).
+
+Design notes
+- One program = (kv split, kv head k, sequence s) for decode; (query tile, kv head k) for ragged prefill.
+- Rows: the 64 wgmma rows are a window of query heads [r0, r0+64) that contains the g heads of kv head k
+  (decode), or 64/g query tokens x g heads (prefill, with q pre-transposed to [K, T*g, H]). Extra rows are
+  computed and thrown away: the tensor cores have >10x headroom in decode.
+- A step covers BK kv tokens: ppb whole pages (G <= BK) or a 1/spp slice of one page (G > BK). K and V of
+  one page arrive by two TMAs each ([G, H] boxes of the interleaved pool) on the slot's barrier.
+- fp8 pools: TMA brings fp8 bytes; the kernel converts them to f16 (exact, and the only conversion Hopper
+  has in hardware) through registers into an f16 staging tile, runs the wgmmas in f16 (q is cast to f16:
+  |q| must stay below 65504), and applies the per-(page, head) scales to the logits (K) and to the
+  probabilities (V).
+- Masking uses logical token positions (sparse attention passes a per-(s, k) list of selected pages and
+  their logical page numbers); masked logits are -inf, m starts finite, so empty programs give l = 0.
+- Pool content at positions >= kv_len must be finite (a zero-initialized pool and write_kv ensure it): a
+  masked probability is 0, but 0 * NaN would still poison the PV product.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import common
+
+ROWS = 64  # wgmma M
+LOG2E = math.log2(math.e)
+M_INIT = -1e30  # finite start for the running max (log2 domain): empty programs stay NaN-free
+
+
+class Unsupported(ValueError):
+  """The kernel cannot handle this shape/dtype; the dispatcher falls back to the reference."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static description of one decode kernel instance."""
+  S: int
+  N: int  # query heads as stored in q (possibly padded to a multiple of 8)
+  K: int
+  g: int
+  G: int
+  H: int
+  P: int
+  Pmax: int  # entries per block-table row
+  BK: int  # kv tokens per step
+  stages: int
+  splits: int
+  steps_per_split: int
+  sparse: bool
+  fp8: str | None  # pool dtype name when fp8
+  scale: float
+  soft_cap: float | None
+  window: int | None
+  out_dtype: str
+  p_via_smem: bool = False  # probabilities reach the PV wgmma through smem (required by the interpreter)
+
+  @property
+  def R(self):  # q rows loaded per program
+    return min(ROWS, self.N)
+
+  @property
+  def ppb(self):  # pages per step
+    return max(1, self.BK // self.G)
+
+  @property
+  def spp(self):  # steps per page
+    return max(1, self.G // self.BK)
+
+  @property
+  def compute_dtype(self):
+    """wgmma operand dtype: f16 for fp8 pools (the hardware converts e4m3/e5m2 -> f16 exactly), else bf16."""
+    return jnp.dtype(jnp.float16) if self.fp8 else jnp.dtype(jnp.bfloat16)
+
+  @property
+  def final(self):
+    return self.splits == 1
+
+
+def _tiles(dtype, minor=128):
+  """Tiling + swizzle for an smem tile whose minor dim has `minor` elements."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = min(128, minor * bits // 8)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def choose_block(G: int, H: int, fp8: bool) -> tuple[int, int]:
+  """(BK tokens per step, stages): the ring gets what is left of ~200 KiB of smem after the fixed buffers."""
+  BK = 64 if G <= 64 else min(G, 128)
+  fixed = ROWS * H * 2 + ROWS * H * 4 + ROWS * BK * 2 + 1024  # q, output staging, p, barriers/misc
+  if fp8:
+    fixed += 2 * BK * H * 2  # f16 staging of K and V
+  per_stage = 2 * BK * H * (1 if fp8 else 2)
+  stages = max(2, min(6, (200 * 1024 - fixed) // per_stage))
+  return BK, stages
+
+
+def check_supported(N, K, G, H, q_dtype, pool_dtype):
+  """Raises Unsupported naming the constraint this kernel cannot meet."""
+  g = N // K
+  if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float32):
+    raise Unsupported("float32 pools are not supported by the Mosaic GPU kernel (wgmma would run in tf32)")
+  if H % 64 or H > 256:
+    raise Unsupported(f"head dim H={H} must be a multiple of 64 and <= 256")
+  if G % 8:
+    raise Unsupported(f"page size G={G} must be a multiple of 8 (TMA boxes land on 8-row smem tiles)")
+  if G > 128 and G % 128:
+    raise Unsupported(f"page size G={G} > 128 must be a multiple of 128")
+  if 64 % G and G < 64:
+    raise Unsupported(f"page size G={G} must divide 64")
+  if g > ROWS:
+    raise Unsupported(f"GQA group {g} > {ROWS} query heads per kv head")
+
+
+def _decode_kernel(cfg: DecodeConfig, *refs):
+  it = iter(refs)
+  q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
+  nsel_ref = next(it) if cfg.sparse else None
+  lp_ref = next(it) if cfg.sparse else None
+  sc_ref = next(it) if cfg.fp8 else None
+  o_ref = next(it)
+  m_ref = None if cfg.final else next(it)
+  l_ref = None if cfg.final else next(it)
+  q_smem, k_smem, v_smem, kq_smem, vq_smem, p_smem, bars, q_bar = (next(it) for _ in range(8))
+
+  sp = lax.axis_index("split")
+  k = lax.axis_index("kvh")
+  s = lax.axis_index("seq")
+  G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
+  cdt = cfg.compute_dtype
+  kv_len = lens_ref[s]
+
+  # Range of BK-token blocks this program handles.
+  if cfg.sparse:
+    nsel = nsel_ref[s, k]
+    n_blocks = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
+    first = jnp.int32(0)
+    last = n_blocks
+  else:
+    last = (kv_len + BK - 1) // BK
+    if cfg.window is not None:
+      first = jnp.maximum(kv_len - cfg.window, 0) // BK
+    else:
+      first = jnp.int32(0)
+  b_lo = first + sp * cfg.steps_per_split
+  b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
+  n_steps = jnp.maximum(b_hi - b_lo, 0)
+
+  tbl_len = cfg.Pmax
+
+  def page_of(idx):
+    idx = jnp.clip(idx, 0, tbl_len - 1)
+    return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
+
+  def logical_page(idx):
+    if cfg.sparse:
+      return lp_ref[s, k, jnp.clip(idx, 0, tbl_len - 1)]
+    return idx
+
+  kdst = kq_smem if cfg.fp8 else k_smem
+  vdst = vq_smem if cfg.fp8 else v_smem
+
+  def issue(b, slot):
+    if spp == 1:
+      for j in range(ppb):
+        pg = page_of(b * ppb + j)
+        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
+    else:
+      pg = page_of(b // spp)
+      off = (b % spp) * BK
+      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
+      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
+
+  # q rows: a 64-row window of heads containing kv head k's group.
+  if cfg.N > ROWS:
+    r0 = jnp.minimum(k * g, cfg.N - ROWS)
+  else:
+    r0 = jnp.int32(0)
+  local = k * g - r0
+  if cfg.R == ROWS:
+    plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
+  else:
+    plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+
+  for i in range(cfg.stages):
+    @pl.when(i < n_steps)
+    def _():
+      issue(b_lo + i, i)
+
+  plgpu.barrier_wait(q_bar)
+
+  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
+
+  def per_page_vector(values):
+    """A [ROWS, BK] array whose column c holds values[c // G] (static list of ppb scalars)."""
+    if len(values) == 1:
+      return values[0]
+    page_col = col // G
+    res = values[-1]
+    for j in range(len(values) - 2, -1, -1):
+      res = jnp.where(page_col == j, values[j], res)
+    return res
+
+  def body(step, carry):
+    acc, m_i, l_i = carry
+    b = b_lo + step
+    slot = lax.rem(step, cfg.stages)
+    plgpu.barrier_wait(bars.at[slot])
+
+    if cfg.fp8:
+      kslot, vslot = k_smem, v_smem
+      kslot[...] = kq_smem[slot].astype(cdt)
+      vslot[...] = vq_smem[slot].astype(cdt)
+      plgpu.commit_smem()
+    else:
+      kslot, vslot = k_smem.at[slot], v_smem.at[slot]
+
+    def qk_fn(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, kslot.transpose((1, 0)))
+      return acc_ref[...]
+    logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
+
+    # Per-column page data: logical token positions and fp8 scales.
+    if spp == 1:
+      idxs = [b * ppb + j for j in range(ppb)]
+      if cfg.sparse:
+        lps = [logical_page(i) for i in idxs]
+        pos = per_page_vector([lp * G for lp in lps]) + col % G
+      else:
+        pos = b * BK + col
+      if cfg.fp8:
+        pgs = [page_of(i) for i in idxs]
+        ksc = per_page_vector([sc_ref[pg, 2 * k] for pg in pgs])
+        vsc = per_page_vector([sc_ref[pg, 2 * k + 1] for pg in pgs])
+    else:
+      if cfg.sparse:
+        pos = logical_page(b // spp) * G + (b % spp) * BK + col
+      else:
+        pos = b * BK + col
+      if cfg.fp8:
+        pg = page_of(b // spp)
+        ksc, vsc = sc_ref[pg, 2 * k], sc_ref[pg, 2 * k + 1]
+
+    logits = logits * cfg.scale
+    if cfg.fp8:
+      logits = logits * ksc
+    if cfg.soft_cap is not None:
+      logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
+    valid = pos < kv_len
+    if cfg.window is not None:
+      valid = valid & (pos > kv_len - 1 - cfg.window)
+    logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
+
+    m_new = jnp.maximum(m_i, logits.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if cfg.fp8:
+      p = p * vsc
+    p16 = p.astype(cdt)
+
+    if p_smem is not None:  # wgmma A operand from shared memory (the interpreter needs refs)
+      p_smem[...] = p16
+      plgpu.commit_smem()
+      p_op = p_smem
+    else:
+      p_op = p16
+
+    def pv_fn(acc_ref):
+      plgpu.wgmma(acc_ref, p_op, vslot)
+      return acc_ref[...]
+    acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, cfg.H), jnp.float32))
+
+    @pl.when(step + cfg.stages < n_steps)
+    def _():
+      issue(b + cfg.stages, slot)
+    return acc, m_new, l_i
+
+  acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
+  m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+
+  out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.float32
+
+  def store(o_smem, ml_smem):
+    if cfg.final:
+      inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+      o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
+    else:
+      o_smem[...] = acc
+      ml_smem[0] = m_i
+      ml_smem[1] = l_i
+    plgpu.commit_smem()
+    if cfg.final:
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
+    else:
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[sp, s, pl.ds(k * g, g)])
+      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[sp, s, k])
+      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[sp, s, k])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(store, plgpu.SMEM((ROWS, cfg.H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32))
+
+
+def decode_call(cfg: DecodeConfig, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel=None, lp=None, scales=None, *,
+                interpret=False):
+  """Runs the kernel; returns final [S, N, H] (splits == 1) or partials (o [Sp, S, N, H], m, l [Sp, S, K, 64])."""
+  H = cfg.H
+  bf16 = cfg.compute_dtype
+  pool_dt = jnp.dtype(cfg.fp8) if cfg.fp8 else jnp.dtype(bf16)
+  ring = (cfg.stages, cfg.BK, H)
+  scratch = [
+      plgpu.SMEM((ROWS, H), bf16, transforms=_tiles(bf16)),
+      plgpu.SMEM((1, cfg.BK, H) if cfg.fp8 else ring, bf16, transforms=_tiles(bf16)),
+      plgpu.SMEM((1, cfg.BK, H) if cfg.fp8 else ring, bf16, transforms=_tiles(bf16)),
+  ]
+  if cfg.fp8:
+    scratch = [scratch[0],
+               plgpu.SMEM((cfg.BK, H), bf16, transforms=_tiles(bf16)),
+               plgpu.SMEM((cfg.BK, H), bf16, transforms=_tiles(bf16)),
+               plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+               plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H))]
+  else:
+    scratch += [None, None]
+  scratch.append(plgpu.SMEM((ROWS, cfg.BK), bf16, transforms=_tiles(bf16)) if cfg.p_via_smem else None)
+  arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
+  scratch += [plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages), plgpu.Barrier(num_arrivals=1)]
+
+  S, N, K = cfg.S, cfg.N, cfg.K
+  if cfg.final:
+    out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
+  else:
+    out_type = [jax.ShapeDtypeStruct((cfg.splits, S, N, H), jnp.float32),
+                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32)]
+  inputs = [q_SNH, kv_pages_PGKH, bt, kv_lens_S]
+  if cfg.sparse:
+    inputs += [nsel, lp]
+  if cfg.fp8:
+    inputs.append(scales)
+
+  def body(*refs):
+    n_in = len(inputs) + len(out_type)
+    fixed, scr = refs[:n_in], refs[n_in:]
+    scr = list(scr)
+    full = list(fixed)
+    # None scratch entries are not allocated: re-insert placeholders in kernel order.
+    if not cfg.fp8:
+      scr = scr[:3] + [None, None] + scr[3:]
+    if not cfg.p_via_smem:
+      scr = scr[:5] + [None] + scr[5:]
+    _decode_kernel(cfg, *full, *scr)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=[x for x in scratch if x is not None],
+      grid=(cfg.splits, K, S),
+      grid_names=("split", "kvh", "seq"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  return kernel(*inputs)
+
+
+def _num_sms() -> int:
+  try:
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+      return int(getattr(dev, "core_count", 132) or 132)
+  except Exception:  # noqa: BLE001 - device query is best effort
+    pass
+  return 132
+
+
+def _row_maps(N, K, g):
+  """For each query head n: (kv head, its row within the 64-row window the kernel loaded)."""
+  k_of_n = np.arange(N) // g
+  r0 = np.minimum(k_of_n * g, N - ROWS) if N > ROWS else np.zeros(N, np.int64)
+  return k_of_n, np.arange(N) - r0
+
+
+def combine_splits(o_part, m_part, l_part, K, g):
+  """Merges split-K partials: o [Sp, S, N, H] f32, m/l [Sp, S, K, 64] (m in log2 units) -> f32 [S, N, H]."""
+  N = o_part.shape[2]
+  k_of_n, row_of_n = _row_maps(N, K, g)
+  m = m_part[:, :, k_of_n, row_of_n]  # [Sp, S, N]
+  l = l_part[:, :, k_of_n, row_of_n]
+  m_max = jnp.max(m, axis=0)
+  w = jnp.exp2(m - m_max[None])
+  l_tot = jnp.sum(w * l, axis=0)
+  o = jnp.sum(w[..., None] * o_part, axis=0)
+  return o * jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)[..., None]
+
+
+def make_decode_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
+                       sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False):
+  S, N, H = q_shape
+  P, G, K2, _ = pool_shape
+  K = K2 // 2
+  g = N // K
+  fp8 = common.is_fp8(pool_dtype)
+  check_supported(N, K, G, H, out_dtype, pool_dtype)
+  BK, st = choose_block(G, H, fp8)
+  BK = block_kv or BK
+  stages = stages or st
+  if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
+    raise Unsupported(f"block_kv={BK} must be a multiple of 64 that divides or is divided by page size {G}")
+  N_pad = N if (N >= ROWS or N % 8 == 0) else N + (-N % 8)
+  if sparse:
+    n_blocks = table_cols * G // BK if G > BK else common.cdiv(table_cols, BK // G)
+  else:
+    tokens = table_cols * G
+    if sliding_window is not None:
+      tokens = min(tokens, sliding_window + BK)  # the window spans at most this many blocks
+    n_blocks = common.cdiv(tokens, BK) + (1 if sliding_window is not None else 0)
+  n_blocks = max(1, n_blocks)
+  if splits is None:
+    splits = max(1, min(common.cdiv(2 * _num_sms(), S * K), n_blocks))
+  steps = common.cdiv(n_blocks, splits)
+  splits = common.cdiv(n_blocks, steps)
+  return DecodeConfig(S=S, N=N_pad, K=K, g=g, G=G, H=H, P=P, Pmax=table_cols, BK=BK, stages=stages,
+                      splits=splits, steps_per_split=steps, sparse=sparse,
+                      fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
+                      soft_cap=None if soft_cap is None else float(soft_cap),
+                      window=None if sliding_window is None else int(sliding_window), out_dtype=out_dtype,
+                      p_via_smem=p_via_smem)
+
+
+def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK, interpret):
+  S, N, H = q_SNH.shape
+  q = q_SNH.astype(cfg.compute_dtype)
+  if cfg.N != N:
+    q = jnp.pad(q, ((0, 0), (0, cfg.N - N), (0, 0)))
+  res = decode_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK, interpret=interpret)
+  if cfg.final:
+    out = res[0] if isinstance(res, (list, tuple)) else res
+  else:
+    o_part, m_part, l_part = res
+    out = combine_splits(o_part, m_part, l_part, cfg.K, cfg.g)
+  return out[:, :N].astype(q_SNH.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
+                                             "interpret"))
+def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
+                               sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
+                               interpret=False):
+  """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run."""
+  S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
+                                            soft_cap=soft_cap, sliding_window=sliding_window)
+  cfg = make_decode_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
+                           scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
+                           out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
+                           p_via_smem=interpret)
+  return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)

@@ -1,0 +1,394 @@
+"""Mosaic GPU (Hopper) weight-streaming matmul for decode: y[T, F] = x[T, D] @ w[D, F].
+
+Why it exists: at decode T is 1..256, so every weight byte is used T times at most and the
+matmul is bound by how fast the weights stream out of HBM. XLA's paths reach 1.0-2.7 TB/s of
+the H200's ~4.3 (issue 9). This kernel is built only to stream:
+
+* Orientation: it computes y^T = w^T x^T, so F (large) is wgmma's M dimension and the padded T
+  (Tp, a multiple of 8) its N dimension; no tensor-core work is wasted on padding rows.
+  Both operands come from SMEM, transposed views of the tiles TMA brings in.
+* Work split ("stream-K"): the (F-tile, D-step) iteration space, F-tile major, is cut into
+  equal contiguous runs, one per CTA, on a grid of about one CTA per SM. A run may start or
+  end inside an F tile; each CTA writes one float32 partial [tile_f, Tp] per F tile it touches,
+  into a slot of a partial buffer P[M, slots, F, Tp]. A small XLA epilogue sums the slots
+  (a static mask says which slots were written), transposes, applies per-channel scales /
+  SiLU*mul, and casts. In a model that epilogue fuses into the consumer of y.
+* Each CTA runs one software pipeline (`plgpu.emit_pipeline`) several stages deep over its
+  whole run, so there is no pipeline restart at F-tile boundaries.
+* fp8 (e4m3) weights stay fp8 in HBM (half the bytes): each tile is converted to bf16 in SMEM
+  (x128x128-block scale folded in, one scalar per block) before the wgmma. Per-channel scales
+  are applied exactly in float32 in the epilogue.
+* Several weight matrices of one shape (the gate/up pair) are streamed in one launch: every
+  pipeline step brings the same tile of each, and each has its own accumulator.
+
+The plan (tile sizes, runs, slots) is static Python computed from the shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.matmul.reference import BLOCK, is_fp8
+
+MAX_T = 256          # wgmma N limit
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tunable knobs. tile_f: F rows per CTA (multiple of 64); tile_d: D per pipeline step."""
+    tile_d: int = 128
+    tile_f: int = 128
+    max_stages: int = 8
+    smem_budget: int = 200 * 1024
+    ctas_per_sm: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    d: int
+    f: int
+    tp: int
+    n_mats: int
+    tile_d: int
+    tile_f: int
+    k_steps: int       # D steps per F tile
+    f_tiles: int
+    n_total: int       # f_tiles * k_steps
+    n_per: int         # steps per CTA
+    n_ctas: int
+    n_slots: int
+    stages: int
+    slot_mask: tuple   # [n_slots][f_tiles] bools: was partial (slot, tile) written
+
+
+def padded_t(t: int) -> int:
+    return max(8, -(-t // 8) * 8)
+
+
+def _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize, block_scaled):
+    x_b = tp * tile_d * 2
+    w_b = n_mats * tile_d * tile_f * w_itemsize
+    s_b = n_mats * (tile_d // BLOCK) * 4 * 4 if block_scaled else 0
+    return x_b + w_b + s_b
+
+
+def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, block_scaled: bool,
+              cfg: TileConfig, num_sms: int) -> Plan:
+    tp = padded_t(t)
+    tile_d, tile_f = cfg.tile_d, cfg.tile_f
+    k_steps, f_tiles = d // tile_d, f // tile_f
+    n_total = k_steps * f_tiles
+    grid = max(1, num_sms * cfg.ctas_per_sm)
+    n_per = -(-n_total // grid)
+    n_ctas = -(-n_total // n_per)
+    first = [(j * k_steps) // n_per for j in range(f_tiles)]
+    last = [((j + 1) * k_steps - 1) // n_per for j in range(f_tiles)]
+    n_slots = max(l - fi + 1 for fi, l in zip(first, last))
+    mask = tuple(tuple(s <= last[j] - first[j] for j in range(f_tiles)) for s in range(n_slots))
+    fixed = n_mats * tile_f * tp * 4                              # out staging
+    if w_itemsize == 1:
+        fixed += n_mats * tile_d * tile_f * 2                     # bf16 dequant buffers
+    per_stage = _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize, block_scaled)
+    budget = min(cfg.smem_budget, SMEM_LIMIT // cfg.ctas_per_sm) - fixed
+    stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
+    return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
+                n_slots, stages, mask)
+
+
+def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
+    """Why the kernel can't take these operands (None if it can)."""
+    t = x_TD.shape[0]
+    stacked, d, f, block_scaled = _split(ws, scales)
+    if jnp.dtype(x_TD.dtype) != jnp.bfloat16:
+        return f"x dtype {x_TD.dtype} (kernel takes bf16 activations)"
+    wdt = {jnp.dtype(w.dtype) for w in ws}
+    if len(wdt) != 1:
+        return f"weights of mixed dtypes {wdt}"
+    wdt = wdt.pop()
+    if not (wdt == jnp.bfloat16 or is_fp8(wdt)):
+        return f"weight dtype {wdt} (kernel takes bf16 or float8_e4m3fn)"
+    if not 1 <= t <= MAX_T:
+        return f"T={t} outside 1..{MAX_T}"
+    if cfg.tile_f % 64 or cfg.tile_d % 64:
+        return f"tile sizes {cfg.tile_d}x{cfg.tile_f} must be multiples of 64"
+    if d % cfg.tile_d:
+        return f"D={d} not a multiple of tile_d={cfg.tile_d}"
+    if f % cfg.tile_f:
+        return f"F={f} not a multiple of tile_f={cfg.tile_f}"
+    if block_scaled:
+        if cfg.tile_d % BLOCK or cfg.tile_f > BLOCK:
+            return f"block scales need tile_f <= {BLOCK} and tile_d a multiple of {BLOCK}"
+    if any(s is not None for s in scales) and any(s is None for s in scales):
+        return "some matrices scaled and some not"
+    if len({None if s is None else s.ndim for s in scales}) > 1:
+        return "mixed scale kinds"
+    return None
+
+
+def _tiled(minor_bytes_per_row: int, itemsize: int):
+    swizzle = plgpu.find_swizzle(minor_bytes_per_row * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _mma_accumulate(acc, a_ref, b_ref, interpret: bool):
+    """acc + a @ b with wgmma, both operands in SMEM; waits for the result.
+
+    On the GPU the running sum is the wgmma accumulator itself (registers, no copy). GPU
+    interpret mode cannot run that form (it supports neither pl.run_state nor stores into an
+    accumulator), so there a fresh accumulator's product is added instead: the same sum.
+    """
+    if interpret:
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref, b_ref)
+            return acc_ref[...]
+        return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
+
+    def mma_in_place(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref)
+    return pl.run_state(mma_in_place)(plgpu.ACC.init(acc))
+
+
+def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
+    """Builds the plgpu.kernel computing partials P[M, slots, F, Tp] from x [Tp, D], M weights (+ scales).
+
+    stacked: the weights (and scales) carry a leading layer axis and the kernel's second input
+    is an int32 [1] layer index; the kernel reads that layer's tiles in place (no slice copy).
+    """
+    p = plan
+    M = p.n_mats
+    fp8 = is_fp8(w_dtype)
+    w_item = jnp.dtype(w_dtype).itemsize
+    x_tr = _tiled(min(p.tile_d, 64) * 2, 2)
+    w_tr = _tiled(min(p.tile_f, 128 // w_item) * w_item, w_item)
+    deq_tr = _tiled(64 * 2, 2)
+    n_per, n_total, k_steps = p.n_per, p.n_total, p.k_steps
+    rows_per_block = p.tile_d // BLOCK
+
+    def body(x_gmem, *refs):
+        if stacked:
+            layer_gmem, *refs = refs
+            layer = layer_gmem[0]
+            refs = [r.at[layer] for r in refs[:M * (2 if block_scaled else 1)]] + refs[M * (2 if block_scaled else 1):]
+        w_gmems = refs[:M]
+        s_gmems = refs[M:2 * M] if block_scaled else ()
+        rest = refs[2 * M:] if block_scaled else refs[M:]
+        p_gmem, out_smem, *deq_smems = rest   # one bf16 dequant buffer per matrix (fp8 only)
+        c = lax.axis_index("cta")
+
+        def coords(i):
+            g = c * n_per + i
+            gc = jnp.minimum(g, n_total - 1)
+            return g, lax.div(gc, k_steps), lax.rem(gc, k_steps)
+
+        def w_map(i):
+            _, j, k = coords(i)
+            return (k, j)
+
+        def x_map(i):
+            _, _, k = coords(i)
+            return (0, k)
+
+        def fb_of(j):  # the F scale block of F tile j
+            return lax.div(j * p.tile_f, BLOCK)
+
+        def s_map(i):
+            _, j, k = coords(i)
+            return (k, lax.div(fb_of(j), 4))
+
+        in_specs = [plgpu.BlockSpec((p.tp, p.tile_d), x_map, transforms=x_tr)]
+        in_specs += [plgpu.BlockSpec((p.tile_d, p.tile_f), w_map, transforms=w_tr)] * M
+        if block_scaled:
+            in_specs += [plgpu.BlockSpec((rows_per_block, 4), s_map)] * M
+
+        def step(idx, x_smem, *smems_and_carry):
+            (i,) = idx
+            *smems, accs = smems_and_carry
+            g, j, k = coords(i)
+            w_smems = smems[:M]
+            s_smems = smems[M:]
+            x_t = x_smem.transpose((1, 0))
+            new_accs = []
+            for m in range(M):
+                if fp8:
+                    dst = deq_smems[m]
+                    for r in range(p.tile_d // 64):
+                        rows = pl.ds(r * 64, 64)
+                        # fp8 -> bf16 goes through f32: this ptxas has no direct e4m3 -> bf16 cvt
+                        v = w_smems[m].at[rows][...].astype(jnp.float32)
+                        if block_scaled:
+                            # one scale per 128x128 block; tile_f <= 128 (checked by unsupported_reason)
+                            sc = s_smems[m][(r * 64) // BLOCK, lax.rem(fb_of(j), 4)]
+                            v = v * sc
+                        dst.at[rows][...] = v.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    a_ref = dst
+                else:
+                    a_ref = w_smems[m]
+
+                new_accs.append(_mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
+            flush = jnp.logical_and(g < n_total,
+                                    jnp.logical_or(k == k_steps - 1, i == n_per - 1))
+
+            @pl.when(flush)
+            def _flush():
+                slot = c - lax.div(j * k_steps, n_per)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for m in range(M):
+                    out_smem[m] = new_accs[m]
+                plgpu.commit_smem()
+                for m in range(M):
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[m], p_gmem.at[m, slot, pl.ds(j * p.tile_f, p.tile_f)])
+
+            keep = jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
+            return tuple(a * keep for a in new_accs)
+
+        zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
+        plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=p.stages,
+                            init_carry=zeros)(x_gmem, *w_gmems, *s_gmems)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((M, p.tile_f, p.tp), jnp.float32)]
+    if fp8:
+        scratch += [plgpu.SMEM((p.tile_d, p.tile_f), jnp.bfloat16, transforms=deq_tr) for _ in range(M)]
+    kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((M, p.n_slots, p.f, p.tp), jnp.float32),
+        scratch_types=scratch,
+        grid=(p.n_ctas,),
+        grid_names=("cta",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **kw,
+    )
+
+
+def num_sms_default() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(dev.core_count)
+    except Exception:  # noqa: BLE001 - no device info: fall back to the H100/H200 count
+        pass
+    return 132
+
+
+def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scaled: bool,
+                num_sms: int) -> TileConfig | None:
+    """Tile sizes for a problem, or None if no tiling fits (registers, SMEM, divisibility).
+
+    The running sums live in registers: n_mats * tile_f * Tp / 128 float32 per thread, kept
+    <= 128. Among the D steps that divide D, pick the one with the most weight bytes in flight
+    ((stages - 1) * weight bytes per stage), preferring larger steps on ties.
+    """
+    tp = padded_t(t)
+    best, best_key = None, None
+    for tile_f in (128, 64):
+        if f % tile_f or n_mats * tile_f * tp // 128 > 128:
+            continue
+        for tile_d in (256, 128, 64):
+            if d % tile_d or (block_scaled and tile_d % BLOCK):
+                continue
+            cfg = TileConfig(tile_d=tile_d, tile_f=tile_f)
+            plan = make_plan(d, f, t, n_mats, w_itemsize, block_scaled, cfg, num_sms)
+            if plan.stages < 2:
+                continue
+            key = (min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize, tile_f, tile_d)
+            if best_key is None or key > best_key:
+                best, best_key = cfg, key
+    return best
+
+
+def _split(ws, scales):
+    stacked = ws[0].ndim == 3
+    d, f = ws[0].shape[-2:]
+    block_scaled = scales[0] is not None and scales[0].ndim == (3 if stacked else 2)
+    return stacked, d, f, block_scaled
+
+
+def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | None = None):
+    """(cfg, plan) for these operands, or (None, reason) when the kernel can't take them."""
+    t = x_TD.shape[0]
+    stacked, d, f, block_scaled = _split(ws, scales)
+    num_sms = num_sms if num_sms is not None else num_sms_default()
+    if cfg is None:
+        cfg = auto_config(t, d, f, len(ws), jnp.dtype(ws[0].dtype).itemsize, block_scaled, num_sms)
+        if cfg is None:
+            return None, f"no tiling fits T={t}, D={d}, F={f}, {len(ws)} matrices"
+    reason = unsupported_reason(x_TD, ws, scales, cfg)
+    if reason:
+        return None, reason
+    plan = make_plan(d, f, t, len(ws), jnp.dtype(ws[0].dtype).itemsize, block_scaled, cfg, num_sms)
+    if plan.stages < 2:
+        return None, f"tiles {cfg.tile_d}x{cfg.tile_f} at Tp={plan.tp} leave no SMEM for a 2-stage pipeline"
+    return cfg, plan
+
+
+def partial_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
+                     num_sms: int | None = None, interpret: bool = False):
+    """Runs the kernel: float32 y[M, T, F] = x @ w_m (block scales applied; per-channel ones not).
+
+    ws: M weights [D, F] of one dtype, or M stacked weights [L, D, F] with `layer` an int32
+    scalar (may be traced): then layer `layer` is read in place.
+    """
+    t = x_TD.shape[0]
+    stacked, d, f, block_scaled = _split(ws, scales)
+    if stacked != (layer is not None):
+        raise ValueError("pass layer= exactly when the weights are stacked [L, D, F]")
+    cfg, plan = plan_for(x_TD, ws, scales, cfg, num_sms)
+    if cfg is None:
+        raise ValueError(f"decode matmul kernel can't take these operands: {plan}")
+    x_pad = x_TD if plan.tp == t else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
+    args = [x_pad]
+    if stacked:
+        args.append(jnp.asarray(layer, jnp.int32).reshape(1))
+    args += list(ws)
+    if block_scaled:
+        for sc in scales:  # the scale tile is [tile_d/128, 4] float32: pad F blocks to a multiple of 4
+            fk = sc.shape[-1]
+            if fk % 4:
+                pad = [(0, 0)] * (sc.ndim - 1) + [(0, 4 - fk % 4)]
+                sc = jnp.pad(sc, pad, constant_values=1.0)
+            args.append(sc)
+    part = _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args)  # [M, S, F, Tp]
+    mask = np.repeat(np.asarray(plan.slot_mask, bool), plan.tile_f, axis=1)          # [S, F]
+    y = jnp.where(mask[None, :, :, None], part, 0.0).sum(axis=1)                     # [M, F, Tp]
+    return jnp.swapaxes(y, 1, 2)[:, :t, :]
+
+
+def _channel_scale(y_TF, scale, layer):
+    if scale is None:
+        return y_TF
+    if layer is not None:
+        if scale.ndim != 2:
+            return y_TF
+        scale = scale[layer]
+    elif scale.ndim != 1:
+        return y_TF
+    return y_TF * scale[None, :]
+
+
+def decode_matmul_gpu(x_TD, w_DF, *, w_scale=None, layer=None, cfg: TileConfig | None = None,
+                      num_sms: int | None = None, interpret: bool = False):
+    y = partial_products(x_TD, [w_DF], [w_scale], layer=layer, cfg=cfg, num_sms=num_sms,
+                         interpret=interpret)[0]
+    return _channel_scale(y, w_scale, layer).astype(x_TD.dtype)
+
+
+def gate_up_silu_gpu(x_TD, w_gate_DF, w_up_DF, *, gate_scale=None, up_scale=None, layer=None,
+                     cfg: TileConfig | None = None, num_sms: int | None = None, interpret: bool = False):
+    y = partial_products(x_TD, [w_gate_DF, w_up_DF], [gate_scale, up_scale], layer=layer, cfg=cfg,
+                         num_sms=num_sms, interpret=interpret)
+    g = _channel_scale(y[0], gate_scale, layer)
+    u = _channel_scale(y[1], up_scale, layer)
+    return (jax.nn.silu(g) * u).astype(x_TD.dtype)

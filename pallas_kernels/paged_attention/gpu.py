@@ -9,7 +9,7 @@ contexts over programs whose partial (o, m, l) are combined afterwards (one XLA 
 Design notes
 - One program = (kv split, kv head k, sequence s) for decode; (query tile, kv head k) for ragged prefill.
 - Rows: the 64 wgmma rows are a window of query heads [r0, r0+64) that contains the g heads of kv head k
-  (decode), or 64/g query tokens x g heads (prefill, with q pre-transposed to [K, T*g, H]). Extra rows are
+  (decode), or 64/g query tokens x g heads (prefill, with q gathered tile-major to [tiles, K, 64, H]). Extra rows are
   computed and thrown away: the tensor cores have >10x headroom in decode.
 - A step covers BK kv tokens: ppb whole pages (G <= BK) or a 1/spp slice of one page (G > BK). K and V of
   one page arrive by two TMAs each ([G, H] boxes of the interleaved pool) on the slot's barrier.
@@ -47,10 +47,11 @@ class Unsupported(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-  """Static description of one decode kernel instance."""
+class KernelConfig:
+  """Static description of one kernel instance (decode or ragged)."""
+  ragged: bool
   S: int
-  N: int  # query heads as stored in q (possibly padded to a multiple of 8)
+  N: int  # query heads as laid out in q (decode: possibly padded to a multiple of 8)
   K: int
   g: int
   G: int
@@ -68,9 +69,10 @@ class DecodeConfig:
   window: int | None
   out_dtype: str
   p_via_smem: bool = False  # probabilities reach the PV wgmma through smem (required by the interpreter)
+  NT: int = 0  # ragged: number of query tiles
 
   @property
-  def R(self):  # q rows loaded per program
+  def R(self):  # q rows loaded per program (decode)
     return min(ROWS, self.N)
 
   @property
@@ -87,8 +89,8 @@ class DecodeConfig:
     return jnp.dtype(jnp.float16) if self.fp8 else jnp.dtype(jnp.bfloat16)
 
   @property
-  def final(self):
-    return self.splits == 1
+  def final(self):  # the kernel writes the normalized output itself (no split-K combine)
+    return self.ragged or self.splits == 1
 
 
 def _tiles(dtype, minor=128):
@@ -122,13 +124,14 @@ def check_supported(N, K, G, H, q_dtype, pool_dtype):
     raise Unsupported(f"page size G={G} > 128 must be a multiple of 128")
   if 64 % G and G < 64:
     raise Unsupported(f"page size G={G} must divide 64")
-  if g > ROWS:
-    raise Unsupported(f"GQA group {g} > {ROWS} query heads per kv head")
+  if g > ROWS - 8:
+    raise Unsupported(f"GQA group {g} > {ROWS - 8} query heads per kv head")
 
 
-def _decode_kernel(cfg: DecodeConfig, *refs):
+def _kernel(cfg: KernelConfig, *refs):
   it = iter(refs)
   q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
+  tile_ref = next(it) if cfg.ragged else None
   nsel_ref = next(it) if cfg.sparse else None
   lp_ref = next(it) if cfg.sparse else None
   sc_ref = next(it) if cfg.fp8 else None
@@ -137,44 +140,49 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
   l_ref = None if cfg.final else next(it)
   q_smem, k_smem, v_smem, kq_smem, vq_smem, p_smem, bars, q_bar = (next(it) for _ in range(8))
 
-  sp = lax.axis_index("split")
-  k = lax.axis_index("kvh")
-  s = lax.axis_index("seq")
   G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
   cdt = cfg.compute_dtype
+  k = lax.axis_index("kvh")
+  if cfg.ragged:
+    tile = lax.axis_index("tile")
+    s = tile_ref[tile, 0]
+    ntok = tile_ref[tile, 2]
+    qpos0 = tile_ref[tile, 3]  # position of the tile's first query token
+    sp = jnp.int32(0)
+  else:
+    s = lax.axis_index("seq")
+    sp = lax.axis_index("split")
   kv_len = lens_ref[s]
 
-  # Range of BK-token blocks this program handles.
+  # Range [first, last) of BK-token blocks of this sequence; this program takes one split of it.
   if cfg.sparse:
     nsel = nsel_ref[s, k]
-    n_blocks = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
+    last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
     first = jnp.int32(0)
-    last = n_blocks
+  elif cfg.ragged:
+    last = jnp.where(ntok > 0, (qpos0 + ntok + BK - 1) // BK, 0)
+    first = jnp.int32(0) if cfg.window is None else jnp.maximum(qpos0 - cfg.window + 1, 0) // BK
   else:
     last = (kv_len + BK - 1) // BK
-    if cfg.window is not None:
-      first = jnp.maximum(kv_len - cfg.window, 0) // BK
-    else:
-      first = jnp.int32(0)
+    first = jnp.int32(0) if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
   b_lo = first + sp * cfg.steps_per_split
   b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
   n_steps = jnp.maximum(b_hi - b_lo, 0)
 
-  tbl_len = cfg.Pmax
-
   def page_of(idx):
-    idx = jnp.clip(idx, 0, tbl_len - 1)
+    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
     return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
 
   def logical_page(idx):
     if cfg.sparse:
-      return lp_ref[s, k, jnp.clip(idx, 0, tbl_len - 1)]
+      return lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)]
     return idx
 
   kdst = kq_smem if cfg.fp8 else k_smem
   vdst = vq_smem if cfg.fp8 else v_smem
 
   def issue(b, slot):
+    """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
     if spp == 1:
       for j in range(ppb):
         pg = page_of(b * ppb + j)
@@ -186,16 +194,19 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
       plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
       plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
 
-  # q rows: a 64-row window of heads containing kv head k's group.
-  if cfg.N > ROWS:
-    r0 = jnp.minimum(k * g, cfg.N - ROWS)
+  # q rows. Decode: a 64-row window of heads containing kv head k's group. Ragged: 64/g tokens x g heads.
+  if cfg.ragged:
+    local = jnp.int32(0)
+    plgpu.copy_gmem_to_smem(q_ref.at[tile, k], q_smem, q_bar)
   else:
-    r0 = jnp.int32(0)
-  local = k * g - r0
-  if cfg.R == ROWS:
-    plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
-  else:
-    plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+    # TMA into 8-row smem tiles needs an 8-aligned gmem row: N is padded to a multiple of 8 and the window
+    # starts at the group's first head rounded down to 8 (g <= 56 keeps the whole group inside).
+    r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS) if cfg.N > ROWS else jnp.int32(0)
+    local = k * g - r0
+    if cfg.R == ROWS:
+      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
+    else:
+      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
 
   for i in range(cfg.stages):
     @pl.when(i < n_steps)
@@ -205,6 +216,9 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
   plgpu.barrier_wait(q_bar)
 
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
+  if cfg.ragged:
+    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
+    qpos = qpos0 + row // g  # [ROWS, BK]: position of each row's query token
 
   def per_page_vector(values):
     """A [ROWS, BK] array whose column c holds values[c // G] (static list of ppb scalars)."""
@@ -239,8 +253,7 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
     if spp == 1:
       idxs = [b * ppb + j for j in range(ppb)]
       if cfg.sparse:
-        lps = [logical_page(i) for i in idxs]
-        pos = per_page_vector([lp * G for lp in lps]) + col % G
+        pos = per_page_vector([logical_page(i) * G for i in idxs]) + col % G
       else:
         pos = b * BK + col
       if cfg.fp8:
@@ -262,7 +275,11 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
     if cfg.soft_cap is not None:
       logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
     valid = pos < kv_len
-    if cfg.window is not None:
+    if cfg.ragged:
+      valid = valid & (pos <= qpos)
+      if cfg.window is not None:
+        valid = valid & (pos > qpos - cfg.window)
+    elif cfg.window is not None:
       valid = valid & (pos > kv_len - 1 - cfg.window)
     logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
 
@@ -274,7 +291,6 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
     if cfg.fp8:
       p = p * vsc
     p16 = p.astype(cdt)
-
     if p_smem is not None:  # wgmma A operand from shared memory (the interpreter needs refs)
       p_smem[...] = p16
       plgpu.commit_smem()
@@ -297,7 +313,7 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
   acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
 
-  out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.float32
+  out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.dtype(jnp.float32)
 
   def store(o_smem, ml_smem):
     if cfg.final:
@@ -308,7 +324,9 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
       ml_smem[0] = m_i
       ml_smem[1] = l_i
     plgpu.commit_smem()
-    if cfg.final:
+    if cfg.ragged:
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tile, k])
+    elif cfg.final:
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
     else:
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[sp, s, pl.ds(k * g, g)])
@@ -319,65 +337,60 @@ def _decode_kernel(cfg: DecodeConfig, *refs):
   pl.run_scoped(store, plgpu.SMEM((ROWS, cfg.H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32))
 
 
-def decode_call(cfg: DecodeConfig, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel=None, lp=None, scales=None, *,
-                interpret=False):
-  """Runs the kernel; returns final [S, N, H] (splits == 1) or partials (o [Sp, S, N, H], m, l [Sp, S, K, 64])."""
+def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, interpret=False):
+  """Runs the kernel. Decode returns [S, N, H] (splits == 1) or partials (o [Sp, S, N, H], m, l [Sp, S, K, 64]);
+  ragged (q = [NT, K, 64, H] tile-major, extra = (tile_info,)) returns per-tile outputs [NT, K, 64, H]."""
   H = cfg.H
-  bf16 = cfg.compute_dtype
-  pool_dt = jnp.dtype(cfg.fp8) if cfg.fp8 else jnp.dtype(bf16)
+  cdt = cfg.compute_dtype
   ring = (cfg.stages, cfg.BK, H)
-  scratch = [
-      plgpu.SMEM((ROWS, H), bf16, transforms=_tiles(bf16)),
-      plgpu.SMEM((1, cfg.BK, H) if cfg.fp8 else ring, bf16, transforms=_tiles(bf16)),
-      plgpu.SMEM((1, cfg.BK, H) if cfg.fp8 else ring, bf16, transforms=_tiles(bf16)),
-  ]
+  scratch = [plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt))]
   if cfg.fp8:
-    scratch = [scratch[0],
-               plgpu.SMEM((cfg.BK, H), bf16, transforms=_tiles(bf16)),
-               plgpu.SMEM((cfg.BK, H), bf16, transforms=_tiles(bf16)),
-               plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
-               plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H))]
+    pool_dt = jnp.dtype(cfg.fp8)
+    scratch += [plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
+                plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
+                plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+                plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H))]
   else:
-    scratch += [None, None]
-  scratch.append(plgpu.SMEM((ROWS, cfg.BK), bf16, transforms=_tiles(bf16)) if cfg.p_via_smem else None)
+    scratch += [plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)),
+                None, None]
+  scratch.append(plgpu.SMEM((ROWS, cfg.BK), cdt, transforms=_tiles(cdt)) if cfg.p_via_smem else None)
   arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
   scratch += [plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages), plgpu.Barrier(num_arrivals=1)]
+  present = [x is not None for x in scratch]
 
   S, N, K = cfg.S, cfg.N, cfg.K
-  if cfg.final:
-    out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
+  if cfg.ragged:
+    out_type = [jax.ShapeDtypeStruct((cfg.NT, K, ROWS, H), jnp.dtype(cfg.out_dtype))]
+    grid, names = (K, cfg.NT), ("kvh", "tile")
   else:
-    out_type = [jax.ShapeDtypeStruct((cfg.splits, S, N, H), jnp.float32),
-                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32),
-                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32)]
-  inputs = [q_SNH, kv_pages_PGKH, bt, kv_lens_S]
-  if cfg.sparse:
-    inputs += [nsel, lp]
+    grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")
+    if cfg.final:
+      out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
+    else:
+      out_type = [jax.ShapeDtypeStruct((cfg.splits, S, N, H), jnp.float32),
+                  jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32),
+                  jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32)]
+  inputs = [q, kv_pages_PGKH, bt, kv_lens_S, *extra]
   if cfg.fp8:
     inputs.append(scales)
+  n_fixed = len(inputs) + len(out_type)
 
   def body(*refs):
-    n_in = len(inputs) + len(out_type)
-    fixed, scr = refs[:n_in], refs[n_in:]
-    scr = list(scr)
-    full = list(fixed)
-    # None scratch entries are not allocated: re-insert placeholders in kernel order.
-    if not cfg.fp8:
-      scr = scr[:3] + [None, None] + scr[3:]
-    if not cfg.p_via_smem:
-      scr = scr[:5] + [None] + scr[5:]
-    _decode_kernel(cfg, *full, *scr)
+    allocated = iter(refs[n_fixed:])
+    scr = [next(allocated) if here else None for here in present]
+    _kernel(cfg, *refs[:n_fixed], *scr)
 
-  kernel = plgpu.kernel(
+  call = plgpu.kernel(
       body,
       out_type=out_type,
       scratch_types=[x for x in scratch if x is not None],
-      grid=(cfg.splits, K, S),
-      grid_names=("split", "kvh", "seq"),
+      grid=grid,
+      grid_names=names,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return kernel(*inputs)
+  res = call(*inputs)
+  return res[0] if cfg.final else res
 
 
 def _num_sms() -> int:
@@ -393,7 +406,7 @@ def _num_sms() -> int:
 def _row_maps(N, K, g):
   """For each query head n: (kv head, its row within the 64-row window the kernel loaded)."""
   k_of_n = np.arange(N) // g
-  r0 = np.minimum(k_of_n * g, N - ROWS) if N > ROWS else np.zeros(N, np.int64)
+  r0 = np.minimum(k_of_n * g // 8 * 8, N - ROWS) if N > ROWS else np.zeros(N, np.int64)
   return k_of_n, np.arange(N) - r0
 
 
@@ -410,8 +423,8 @@ def combine_splits(o_part, m_part, l_part, K, g):
   return o * jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)[..., None]
 
 
-def make_decode_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
-                       sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False):
+def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
+                sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0):
   S, N, H = q_shape
   P, G, K2, _ = pool_shape
   K = K2 // 2
@@ -423,7 +436,7 @@ def make_decode_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, so
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
     raise Unsupported(f"block_kv={BK} must be a multiple of 64 that divides or is divided by page size {G}")
-  N_pad = N if (N >= ROWS or N % 8 == 0) else N + (-N % 8)
+  N_pad = N + (-N % 8)
   if sparse:
     n_blocks = table_cols * G // BK if G > BK else common.cdiv(table_cols, BK // G)
   else:
@@ -432,11 +445,17 @@ def make_decode_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, so
       tokens = min(tokens, sliding_window + BK)  # the window spans at most this many blocks
     n_blocks = common.cdiv(tokens, BK) + (1 if sliding_window is not None else 0)
   n_blocks = max(1, n_blocks)
-  if splits is None:
+  if ragged_tiles:
+    splits = 1
+  elif splits is None:
     splits = max(1, min(common.cdiv(2 * _num_sms(), S * K), n_blocks))
   steps = common.cdiv(n_blocks, splits)
   splits = common.cdiv(n_blocks, steps)
-  return DecodeConfig(S=S, N=N_pad, K=K, g=g, G=G, H=H, P=P, Pmax=table_cols, BK=BK, stages=stages,
+  if ragged_tiles:
+    if ROWS % g:
+      raise Unsupported(f"ragged kernel needs the GQA group {g} to divide {ROWS}")
+    N_pad = N
+  return KernelConfig(ragged=bool(ragged_tiles), NT=ragged_tiles, S=S, N=N_pad, K=K, g=g, G=G, H=H, P=P, Pmax=table_cols, BK=BK, stages=stages,
                       splits=splits, steps_per_split=steps, sparse=sparse,
                       fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
                       soft_cap=None if soft_cap is None else float(soft_cap),
@@ -449,9 +468,10 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
   q = q_SNH.astype(cfg.compute_dtype)
   if cfg.N != N:
     q = jnp.pad(q, ((0, 0), (0, cfg.N - N), (0, 0)))
-  res = decode_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK, interpret=interpret)
+  extra = (nsel, lp) if cfg.sparse else ()
+  res = kernel_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, kv_scales_PK, interpret=interpret)
   if cfg.final:
-    out = res[0] if isinstance(res, (list, tuple)) else res
+    out = res
   else:
     o_part, m_part, l_part = res
     out = combine_splits(o_part, m_part, l_part, cfg.K, cfg.g)
@@ -466,8 +486,67 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run."""
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
-  cfg = make_decode_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
+  cfg = make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
                            p_via_smem=interpret)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
+
+
+def ragged_tile_info(cu_q_lens_S1, kv_lens_S, T: int, tq: int):
+  """Cuts each sequence's query rows into tiles of tq tokens.
+
+  Returns (tile_info [NT, 4] int32 = (sequence, first token row, valid tokens, position of first token),
+  tile of each sequence's first tile [S]). NT = T // tq + S + 1 is a static bound; unused tiles have 0 tokens.
+  """
+  S = kv_lens_S.shape[0]
+  NT = T // tq + S + 1
+  q_lens = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
+  n_tiles = (jnp.maximum(q_lens, 0) + tq - 1) // tq
+  tile_end = jnp.cumsum(n_tiles)
+  tile_start = tile_end - n_tiles
+  i = jnp.arange(NT, dtype=jnp.int32)
+  seq = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
+  valid = seq < S
+  seq = jnp.clip(seq, 0, S - 1)
+  j = i - tile_start[seq]
+  tok0 = cu_q_lens_S1[seq] + j * tq
+  ntok = jnp.where(valid, jnp.clip(q_lens[seq] - j * tq, 0, tq), 0)
+  qpos0 = kv_lens_S[seq] - q_lens[seq] + j * tq
+  info = jnp.stack([seq, jnp.where(valid, tok0, 0), ntok, qpos0], axis=-1).astype(jnp.int32)
+  return info, tile_start.astype(jnp.int32), NT
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_kv", "stages",
+                                             "interpret"))
+def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None,
+                        soft_cap=None, sliding_window=None, kv_scales_PK=None, block_kv=None, stages=None,
+                        interpret=False):
+  """Mosaic GPU ragged (prefill / mixed) paged attention. Raises Unsupported for shapes it cannot run."""
+  S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
+                                            kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
+  T = q_TNH.shape[0]
+  if ROWS % g:
+    raise Unsupported(f"ragged kernel needs the GQA group {g} to divide {ROWS}")
+  tq = ROWS // g
+  info, tile_start, NT = ragged_tile_info(cu_q_lens_S1, kv_lens_S, T, tq)
+  cfg = make_config((S, N, H), kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
+                    scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
+                    out_dtype=jnp.dtype(q_TNH.dtype).name, block_kv=block_kv, stages=stages, p_via_smem=interpret,
+                    ragged_tiles=NT)
+  # Tile-major q [NT, K, 64, H] (row = token-in-tile * g + head-in-group): aligned TMA boxes, zero padding.
+  tok = info[:, 1:2] + jnp.arange(tq, dtype=jnp.int32)[None, :]  # [NT, tq]
+  tok_ok = jnp.arange(tq)[None, :] < info[:, 2:3]
+  q = q_TNH.astype(cfg.compute_dtype)[jnp.clip(tok, 0, T - 1)]  # [NT, tq, N, H]
+  q = jnp.where(tok_ok[:, :, None, None], q, 0).reshape(NT, tq, K, g, H).transpose(0, 2, 1, 3, 4)
+  q = q.reshape(NT, K, ROWS, H)
+  o_tiles = kernel_call(cfg, q, kv_pages_PGKH, block_tables_SP, kv_lens_S, (info,), kv_scales_PK,
+                        interpret=interpret)  # [NT, K, 64, H]
+  from .reference import query_positions  # local import: reference is jnp-only, no cycle at module load
+  seg_T, _, valid_T = query_positions(cu_q_lens_S1, kv_lens_S, T)
+  t = jnp.arange(T, dtype=jnp.int32)
+  within = t - cu_q_lens_S1[seg_T]
+  tile_T = jnp.clip(tile_start[seg_T] + within // tq, 0, NT - 1)
+  o = o_tiles.reshape(NT, K, tq, g, H)[tile_T, :, within % tq]  # [T, K, g, H]
+  o = jnp.where(valid_T[:, None, None, None], o, 0)
+  return o.reshape(T, N, H).astype(q_TNH.dtype)

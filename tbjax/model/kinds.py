@@ -86,3 +86,11 @@ def gqa_apply(spec: ModelSpec, p, x_TD, cos_TR, sin_TR, attend, layer: int, cach
 
 
 ATTENTION_APPLY: dict[str, Callable] = {"gqa": gqa_apply}
+
+# ---- MoE FFN and MLA attention (tbjax/model/moe.py, mla.py; they do not import this module) ----------------
+from tbjax.model import mla as _mla, moe as _moe  # noqa: E402
+
+ATTENTION_KINDS["mla"] = Kind(_mla.mla_shapes, norms=_mla.NORMS)
+ATTENTION_APPLY["mla"] = _mla.mla_apply
+FFN_KINDS["moe"] = Kind(_moe.moe_shapes, norms=_moe.NORMS)
+FFN_APPLY["moe"] = _moe.moe_apply

@@ -66,7 +66,7 @@ class Sequence:
     data: Any = None  # free slot for the caller (sampling params, detokenizer state, stream handle...)
 
     # progress (scheduler-owned)
-    token_ids: list[int] = field(init=False)
+    token_ids: list[int] = field(init=False, default_factory=list)
     status: SequenceStatus = field(init=False, default=SequenceStatus.WAITING)
     finish_reason: FinishReason | None = field(init=False, default=None)
     stop_token_id: int | None = field(init=False, default=None)

@@ -221,8 +221,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_aborted = 0
-        limit = config.usable_pages * config.page_size
-        self.max_model_len = limit if config.max_model_len is None else config.max_model_len
+        self.max_model_len = config.max_model_len  # None: only one rank's pages limit a request
 
     # -- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> Sequence:
@@ -234,7 +233,7 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise ValueError(f"a request with id {seq.seq_id!r} is already queued or running")
         total = seq.num_prompt_tokens + seq.max_tokens
-        if total > self.max_model_len:
+        if self.max_model_len is not None and total > self.max_model_len:
             raise RequestTooLarge(
                 f"request {seq.seq_id!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) "
                 f"= {total} exceeds max_model_len={self.max_model_len}")
@@ -541,7 +540,7 @@ class Scheduler:
             tok = tokens[sid]
             seq.token_ids.append(tok)
             reason = seq.check_stop(tok)
-            if reason is None and seq.num_tokens >= self.max_model_len:
+            if reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 if reason is FinishReason.STOP:
@@ -581,6 +580,8 @@ class Scheduler:
             "capacity_tokens": self.capacity_tokens,
             "pages_used": sum(r.allocator.num_used for r in self.ranks),
             "pages_free": sum(r.allocator.num_free for r in self.ranks),
+            "pages_cached": sum(c.num_nodes for c in caches),
+            "pages_evictable": sum(c.num_evictable for c in caches),
             "prefix_queries": sum(c.num_queries for c in caches),
             "prefix_query_tokens": q,
             "prefix_hit_tokens": h,
@@ -595,7 +596,7 @@ class Scheduler:
         assert [s.arrival for s in self._running] == sorted(s.arrival for s in self._running)
         for s in self._waiting:
             assert s.status is SequenceStatus.WAITING and not s.block_table and s._cache_node is None
-            assert s._reserved_pages == 0 and s.dp_rank is None
+            assert s._reserved_pages == 0 and s.dp_rank is None and s.num_computed_tokens == 0
         for r in self.ranks:
             a = r.allocator
             a.check()

@@ -1,0 +1,152 @@
+"""`python -m tbjax.serve`: load a model, serve it over gRPC, drain and stop on SIGINT/SIGTERM.
+
+With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:50051 with metrics on
+127.0.0.1:9464; any other address only through an explicit ``--host`` / ``--metrics-host``. It prints one
+line saying where it listens once it accepts requests. The first SIGINT/SIGTERM drains (health turns
+NOT_SERVING, new RPCs are refused, running ones get ``--drain-timeout`` seconds), a second one stops at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import Sequence
+
+from .limits import Limits
+from .model import ServedModel, model_name_for_path
+from .server import Server
+
+__all__ = ["main", "build_parser", "load_served_model"]
+
+log = logging.getLogger("tbjax.serve")
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9464
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tbjax.serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--served-model-name", default=None, help="name clients use (default: from the model path)")
+    ap.add_argument("--role", default="colocated", choices=["colocated"],
+                    help="colocated: one engine does prefill and decode (prefill/decode/router roles come later)")
+    net = ap.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="gRPC listen address (loopback unless you say otherwise)")
+    net.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free port)")
+    net.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics listen address")
+    net.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                     help="Prometheus port (0: any free port, -1: no metrics endpoint)")
+    net.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on shutdown")
+    d = Limits()
+    lim = ap.add_argument_group("limits")
+    lim.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context - 1")
+    lim.add_argument("--max-tokens-limit", type=int, default=d.max_tokens, help="largest max_tokens accepted")
+    lim.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    lim.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
+    lim.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    lim.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    eng = ap.add_argument_group("engine")
+    eng.add_argument("--max-num-seqs", type=int, default=None)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
+    eng.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free memory)")
+    eng.add_argument("--page-size", type=int, default=None)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--kv-dtype", default=None)
+    eng.add_argument("--warmup", action="store_true", help="run one short request through the engine before "
+                     "listening (compiles the common programs)")
+    eng.add_argument("--fake-engine", action="store_true",
+                     help="serve serving.fake_engine (a test double, no model) - for testing the front end only")
+    ap.add_argument("--log-level", default="WARNING")
+    return ap
+
+
+def load_served_model(a: argparse.Namespace) -> ServedModel:
+    if a.fake_engine:
+        from .fake_engine import fake_served_model
+        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
+                                ("max_num_batched_tokens", a.max_num_batched_tokens),
+                                ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
+        return fake_served_model(**kw)
+    import tbjax
+
+    engine_kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens",
+                                   a.max_num_batched_tokens), ("num_pages", a.num_pages), ("page_size", a.page_size),
+                                   ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype)) if v is not None}
+    llm = tbjax.LLM(a.model, progress=False, **engine_kw)
+    return ServedModel.from_llm(llm, name=a.served_model_name or model_name_for_path(a.model))
+
+
+def _warmup(model: ServedModel) -> float:
+    t0 = time.perf_counter()
+    eng = model.engine
+    ids = model.tokenizer.encode("Hello")
+    eng.add_request("__warmup__", ids, model.make_params(max_tokens=4, temperature=0.0))
+    while eng.has_unfinished():
+        eng.step()
+    return time.perf_counter() - t0
+
+
+async def _serve(a: argparse.Namespace, model: ServedModel) -> int:
+    limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
+                    default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
+                    max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
+    server = Server(model, host=a.host, port=a.port, limits=limits, metrics_host=a.metrics_host,
+                    metrics_port=None if a.metrics_port < 0 else a.metrics_port, role=a.role)
+    stop, force = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signame: str) -> None:
+        if not stop.is_set():
+            print(f"tbjax: {signame}: draining (up to {a.drain_timeout:g} s); send it again to stop now",
+                  file=sys.stderr, flush=True)
+            stop.set()
+        else:
+            print(f"tbjax: {signame} again: stopping now", file=sys.stderr, flush=True)
+            force.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    await server.start()
+    where = f"tbjax: serving {model.name} ({a.role}) on {server.address} (gRPC tbjax.v1)"
+    if server.bound_metrics_port is not None:
+        where += f", metrics on http://{a.metrics_host}:{server.bound_metrics_port}/metrics"
+    print(where, flush=True)
+    await stop.wait()
+    drain = asyncio.create_task(server.stop(a.drain_timeout))
+    forced = asyncio.create_task(force.wait())
+    await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        await server.stop(0)   # cancels what still runs (each handler aborts its request in the engine)
+        await drain
+    forced.cancel()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+    print("tbjax: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
+               default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
+               max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
+    except ValueError as e:
+        print(f"tbjax: bad limits: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    model = load_served_model(a)
+    print(f"tbjax: loaded {model.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if a.warmup:
+        print(f"tbjax: warmup took {_warmup(model):.1f} s", file=sys.stderr, flush=True)
+    try:
+        return asyncio.run(_serve(a, model))
+    except OSError as e:
+        print(f"tbjax: cannot serve: {e}", file=sys.stderr)
+        return 1

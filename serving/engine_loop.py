@@ -1,0 +1,248 @@
+"""The engine thread: the only code that touches the (not thread-safe) engine.
+
+The gRPC servicer runs on an asyncio loop; the engine runs here, on one dedicated thread, in a loop of
+"take commands (add / abort), run one step, hand outputs out". Commands arrive through a thread-safe
+inbox; outputs go back to each request's ``RequestStream`` (an ``asyncio.Queue`` on the servicer's loop),
+batched into one ``call_soon_threadsafe`` per loop per step so that a big batch costs one wake-up, not
+one per request. When nothing is running the thread sleeps on the inbox.
+
+Whatever happens to a request, its stream gets exactly one terminal item: a finished ``RequestOutput``,
+or an exception (``ValueError`` from ``add_request``: the request was refused; ``EngineFailed``: a step
+crashed; ``EngineStopped``: the server shut down). An aborted request gets nothing more: its caller
+asked for the abort and no longer listens.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["EngineLoop", "RequestStream", "Admitted", "EngineFailed", "EngineStopped"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while stepping; every request in flight at that moment gets this."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop stopped before the request finished."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """First item of a stream: the engine thread took the request into the engine at ``time`` (perf_counter)."""
+
+    time: float
+
+
+class RequestStream:
+    """Engine -> servicer channel of one request. Items: Admitted, RequestOutput(s), or one exception."""
+
+    __slots__ = ("loop", "queue", "request_id")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id = request_id
+
+
+def _deliver(items: list) -> None:  # runs on the servicer's loop
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on its own thread. ``submit``/``abort``/``call`` are safe from any thread."""
+
+    def __init__(self, engine, metrics=None, *, stats_interval_s: float = 0.25, name: str = "tbjax-engine"):
+        self.engine = engine
+        self.metrics = metrics
+        self.stats_interval_s = stats_interval_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine-thread only
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopped = threading.Event()
+        self._stats: dict = {}
+        self._stats_lock = threading.Lock()
+        self.num_steps = 0
+        self.fatal: BaseException | None = None
+
+    # -- any thread ----------------------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, stream: RequestStream) -> None:
+        """Queue a request for the engine; its outputs and fate arrive on ``stream``."""
+        if self._stopped.is_set():
+            raise EngineStopped("the engine loop is stopped")
+        self._inbox.put(("add", request_id, prompt_token_ids, params, stream))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (frees its KV pages); unknown or finished ids are ignored."""
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps; the result comes back in a Future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopped.is_set():
+            fut.set_exception(EngineStopped("the engine loop is stopped"))
+        else:
+            self._inbox.put(("call", fn, fut))
+        return fut
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the thread; requests still in flight get ``EngineStopped`` and are aborted in the engine."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+        self._stopped.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def inbox_size(self) -> int:
+        return self._inbox.qsize()
+
+    def stats(self) -> dict:
+        """The latest ``engine.stats()`` snapshot (refreshed every ``stats_interval_s`` and when idle)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        out: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
+        last_stats = 0.0
+        stopping = False
+        try:
+            while not stopping:
+                busy = self.engine.has_unfinished()
+                if not busy and self._streams:  # engine forgot requests without a final output (engine bug)
+                    self._fail_all(EngineFailed("the engine dropped the request without finishing it"), out)
+                cmds = []
+                try:
+                    if not busy:
+                        self._refresh_stats()
+                        last_stats = time.monotonic()
+                        cmds.append(self._inbox.get(timeout=1.0))
+                    while True:
+                        cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                for cmd in cmds:
+                    if cmd[0] == "stop":
+                        stopping = True
+                    else:
+                        self._handle(cmd, out)
+                if not stopping and self.engine.has_unfinished():
+                    self._step(out)
+                self._flush(out)
+                if self.metrics is not None:
+                    self.metrics.engine_inbox.set(self._inbox.qsize())
+                if time.monotonic() - last_stats >= self.stats_interval_s:
+                    self._refresh_stats()
+                    last_stats = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 - a bug in this loop must not strand the callers
+            log.exception("engine loop crashed")
+            self.fatal = e
+        finally:
+            self._stopped.set()
+            self._fail_all(EngineStopped("the server is shutting down") if self.fatal is None
+                           else EngineFailed(f"engine loop crashed: {self.fatal!r}"), out)
+            self._flush(out)
+            # answer anything still in the inbox so that no caller waits forever
+            while True:
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    out[cmd[4].loop].append((cmd[4], EngineStopped("the engine loop is stopped")))
+                elif cmd[0] == "call":
+                    cmd[2].set_exception(EngineStopped("the engine loop is stopped"))
+            self._flush(out)
+            self._refresh_stats()
+
+    def _handle(self, cmd, out) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, stream = cmd
+            if rid in self._streams:
+                out[stream.loop].append((stream, ValueError(f"request id {rid!r} is already in flight")))
+                return
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as e:  # noqa: BLE001 - refused request: the caller maps it to a status
+                out[stream.loop].append((stream, e))
+                return
+            self._streams[rid] = stream
+            out[stream.loop].append((stream, Admitted(time.perf_counter())))
+        elif kind == "abort":
+            rid = cmd[1]
+            self._streams.pop(rid, None)
+            self.engine.abort(rid)
+        elif kind == "call":
+            _, fn, fut = cmd
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001
+                    fut.set_exception(e)
+
+    def _step(self, out) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
+            self._fail_all(EngineFailed(f"engine step failed: {e!r}"), out)
+            return
+        finally:
+            if self.metrics is not None:
+                self.metrics.step.observe(time.perf_counter() - t0)
+            self.num_steps += 1
+        for o in outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            out[stream.loop].append((stream, o))
+            if o.finished:
+                del self._streams[o.request_id]
+
+    def _fail_all(self, exc: Exception, out) -> None:
+        for rid, stream in list(self._streams.items()):
+            out[stream.loop].append((stream, exc))
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort; the engine may be broken
+                log.exception("abort of %r failed", rid)
+        self._streams.clear()
+
+    def _flush(self, out) -> None:
+        for loop, items in out.items():
+            if items:
+                try:
+                    loop.call_soon_threadsafe(_deliver, list(items))
+                except RuntimeError:  # that loop is closed: nobody listens any more
+                    pass
+        out.clear()
+
+    def _refresh_stats(self) -> None:
+        try:
+            s = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001
+            log.exception("engine.stats() failed")
+            return
+        with self._stats_lock:
+            self._stats = s
+        if self.metrics is not None:
+            self.metrics.update_engine(s)

@@ -1,0 +1,187 @@
+"""A test double of ``tbjax.engine.Engine``: the real scheduler and KV page accounting, a toy "model".
+
+It exists so that the serving layer (limits, streaming, cancellation, backpressure, soak) and the load tool
+can be exercised quickly on CPU without loading weights. It is NOT a model: the next token is a fixed
+hash of (previous token, position, seed), so its output is known in advance (`reference`) and tests can
+compare streamed output with it. Pages are allocated by the real ``tbjax.engine.Scheduler``, so "every
+page comes back" is checked against the real allocator.
+
+Interface (same as the engine's): add_request / abort / step / has_unfinished / stats, plus
+``FakeTokenizer`` (bytes as tokens) and ``FakeSamplingParams`` (the fields of ``tbjax.sampling.SamplingParams``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tbjax.engine import FinishReason, Scheduler, SchedulerConfig, Sequence
+
+__all__ = ["FakeEngine", "FakeTokenizer", "FakeSamplingParams", "FakeRequestOutput", "fake_served_model"]
+
+EOS, BOS, _OFFSET = 0, 1, 3   # ids 0..2 are special; byte b is token b + 3
+VOCAB = 256 + _OFFSET
+
+
+class FakeTokenizer:
+    """Byte-level: token id = byte + 3. A tiny chat template ``<|role|>content\\n``."""
+
+    vocab_size = VOCAB
+    eos_token_ids = (EOS,)
+    chat_template = "fake"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"expected str to encode, got {type(text).__name__}")
+        return [b + _OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i - _OFFSET for i in ids if i >= _OFFSET).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+@dataclass
+class FakeSamplingParams:
+    """Same fields and defaults as ``tbjax.sampling.SamplingParams``."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list = field(default_factory=list)
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    def validate(self, vocab_size: int) -> "FakeSamplingParams":
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is out of vocabulary")
+        return self
+
+
+@dataclass
+class FakeRequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list | None = None
+
+
+def next_token(prev: int, pos: int, seed: int) -> int:
+    """The toy model: a fixed hash. Never returns a special id except EOS, which it returns rarely."""
+    h = (prev * 1103515245 + pos * 12345 + seed * 2654435761 + 0x9E37) & 0xFFFFFFFF
+    h ^= h >> 13
+    if h % 97 == 0:
+        return EOS
+    return _OFFSET + 32 + h % 95   # printable ASCII
+
+
+def reference(prompt_ids: list[int], max_tokens: int, *, seed: int = 0, ignore_eos: bool = False,
+              stop_token_ids=()) -> tuple[list[int], str]:
+    """What the fake engine generates for this request (no scheduler involved): (ids, finish_reason)."""
+    ids = list(prompt_ids)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token(ids[-1], len(ids), seed)
+        ids.append(t)
+        out.append(t)
+        if t in stop_token_ids or (t == EOS and not ignore_eos):
+            return out, "stop"
+    return out, "length"
+
+
+class FakeEngine:
+    """Engine test double (see module docstring). ``step_time_s`` sleeps per step to mimic a device."""
+
+    def __init__(self, *, num_pages: int = 512, page_size: int = 4, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int = 512, step_time_s: float = 0.0):
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len))
+        self.max_model_len = max_model_len
+        self.step_time_s = step_time_s
+        self.tokenizer = FakeTokenizer()
+        self._req: dict[str, tuple[FakeSamplingParams, list[int], str]] = {}  # id -> params, out ids, text sent
+        self.num_added = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: FakeSamplingParams) -> None:
+        params.validate(VOCAB)
+        bad = [t for t in prompt_token_ids if not 0 <= t < VOCAB]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary: {bad[:5]}")
+        seq = Sequence(request_id, list(prompt_token_ids), params.max_tokens,
+                       stop_token_ids=params.stop_token_ids, eos_token_ids=(EOS,), ignore_eos=params.ignore_eos)
+        self.scheduler.add(seq)  # RequestTooLarge (a ValueError) when it can never fit
+        self._req[request_id] = (params, [], "")
+        self.num_added += 1
+
+    def abort(self, request_id: str) -> None:
+        if self._req.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[FakeRequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if self.step_time_s:
+            time.sleep(self.step_time_s)
+        sampled = {}
+        for e in batch.entries:
+            if e.samples:
+                p = self._req[e.seq_id][0]
+                sampled[e.seq_id] = next_token(e.seq.token_ids[-1], len(e.seq.token_ids), p.seed or 0)
+        outs = []
+        for so in self.scheduler.on_step_done(batch, sampled):
+            p, out_ids, sent = self._req[so.seq_id]
+            out_ids.extend(so.new_token_ids)
+            text = self.tokenizer.decode(out_ids)
+            reason = so.finish_reason.value if so.finished else None
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:  # a stop string: cut it (and what follows) off and finish
+                text, reason = text[:cut], "stop"
+                if not so.finished:
+                    self.scheduler.finish(so.seq_id, FinishReason.STOP)
+            elif reason is None and text.endswith("\ufffd"):
+                text = text[:-1]  # hold back an incomplete UTF-8 sequence
+            lp = None
+            if p.logprobs:
+                lp = [{t: -0.5, **{(t + k) % VOCAB: -1.0 - k for k in range(1, p.logprobs)}}
+                      for t in so.new_token_ids]
+            finished = reason is not None
+            outs.append(FakeRequestOutput(so.seq_id, list(so.new_token_ids), text[len(sent):], finished, reason, lp))
+            if finished:
+                del self._req[so.seq_id]
+            else:
+                self._req[so.seq_id] = (p, out_ids, text)
+        return outs
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        return {"running": s["num_running"], "waiting": s["num_waiting"], "kv_pages_used": s["pages_used"],
+                "kv_pages_total": s["pages_used"] + s["pages_free"], "prefix_hit_rate": s["prefix_hit_rate"],
+                "pages_free": s["pages_free"]}
+
+
+def fake_served_model(**engine_kwargs):
+    """A ``ServedModel`` around a new ``FakeEngine`` (name "fake")."""
+    from .model import ServedModel
+    eng = FakeEngine(**engine_kwargs)
+    return ServedModel(name="fake", arch="fake", tokenizer=eng.tokenizer, vocab_size=VOCAB,
+                       max_context=eng.max_model_len, eos_token_ids=(EOS,), make_params=FakeSamplingParams,
+                       engine=eng)

@@ -1,0 +1,228 @@
+"""Request limits and validation: turns a wire request into checked engine inputs, or a clear gRPC error.
+
+Every rule a request can break lives here, so that the servicer only maps `RequestError` to a status.
+Validation runs before a request reaches the engine thread: a bad request costs no engine time and
+never touches the KV cache. The checks are plain Python over the proto message (no engine needed), so
+they are unit-testable on their own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+__all__ = ["Limits", "RequestError", "CheckedRequest", "check_generate", "check_tokenize", "token_ids_in_vocab"]
+
+
+class RequestError(Exception):
+    """A request the server refuses; carries the gRPC status code and a message naming the problem."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.code.name}, {self.message!r})"
+
+
+def _invalid(msg: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server limits. ``None`` for ``max_prompt_tokens`` means the model's context less one token."""
+
+    max_prompt_tokens: int | None = None
+    max_tokens: int = 4096                 # the largest max_tokens a request may ask for
+    default_max_tokens: int = 256          # when the request does not say (capped by the context left)
+    max_concurrent_requests: int = 256     # accepted and not finished; beyond: RESOURCE_EXHAUSTED
+    max_queued_requests: int = 128         # accepted and still waiting for their first token; beyond: RESOURCE_EXHAUSTED
+    max_message_bytes: int = 4 << 20       # largest request message (gRPC refuses bigger ones: RESOURCE_EXHAUSTED)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20
+    max_chat_messages: int = 1024
+
+    def __post_init__(self):
+        for name in ("max_tokens", "default_max_tokens", "max_concurrent_requests", "max_queued_requests",
+                     "max_message_bytes", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                     "max_chat_messages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Limits.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"Limits.max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
+                                                   or self.max_prompt_tokens < 1):
+            raise ValueError(f"Limits.max_prompt_tokens must be None or an int >= 1, got {self.max_prompt_tokens!r}")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"Limits.default_max_tokens={self.default_max_tokens} > max_tokens={self.max_tokens}")
+
+    def prompt_limit(self, max_context: int) -> int:
+        cap = max_context - 1
+        return cap if self.max_prompt_tokens is None else min(self.max_prompt_tokens, cap)
+
+
+@dataclass
+class CheckedRequest:
+    """A validated Generate request: prompt token ids and keyword arguments for ``SamplingParams``."""
+
+    prompt_token_ids: list[int]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def token_ids_in_vocab(what: str, ids, vocab_size: int) -> list[int]:
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise _invalid(f"{what}: token ids out of vocabulary (size {vocab_size}): {bad[:8]}"
+                       + (f" and {len(bad) - 8} more" if len(bad) > 8 else ""))
+    return ids
+
+
+def check_model_name(requested: str, served: str) -> None:
+    if requested and requested != served:
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"unknown model {requested!r}: this server serves {served!r} (or leave model empty)")
+
+
+def _chat_messages(chat, limits: Limits) -> tuple[list[dict], bool]:
+    if not chat.messages:
+        raise _invalid("chat has no messages")
+    if len(chat.messages) > limits.max_chat_messages:
+        raise _invalid(f"chat has {len(chat.messages)} messages, more than the limit {limits.max_chat_messages}")
+    msgs = []
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise _invalid(f"chat message {i} has an empty role")
+        msgs.append({"role": m.role, "content": m.content})
+    agp = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return msgs, agp
+
+
+def prompt_ids_from_input(msg, tokenizer, vocab_size: int, limits: Limits, *, add_special_tokens: bool = True
+                          ) -> list[int]:
+    """Token ids for the ``input`` oneof of a GenerateRequest / TokenizeRequest (empty input is an error)."""
+    which = msg.WhichOneof("input")
+    if which is None:
+        raise _invalid("no input: set one of prompt, prompt_token_ids or chat")
+    try:
+        if which in ("prompt", "text"):
+            text = getattr(msg, which)
+            if not text:
+                raise _invalid(f"{which} is empty")
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        elif which == "prompt_token_ids":
+            if not msg.prompt_token_ids.ids:
+                raise _invalid("prompt_token_ids is empty")
+            ids = token_ids_in_vocab("prompt_token_ids", msg.prompt_token_ids.ids, vocab_size)
+        else:
+            messages, agp = _chat_messages(msg.chat, limits)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=agp)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+    except RequestError:
+        raise
+    except ValueError as e:  # tokenizer errors (e.g. no chat template) are the caller's fault
+        raise _invalid(f"{which}: {e}") from None
+    if not ids:
+        raise _invalid(f"{which} tokenizes to no tokens")
+    return list(ids)
+
+
+def _finite(name: str, v: float) -> float:
+    if not math.isfinite(v):
+        raise _invalid(f"{name} must be a finite number, got {v}")
+    return float(v)
+
+
+def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, limits: Limits) -> dict[str, Any]:
+    """Checked keyword arguments for ``SamplingParams`` from a ``tbjax.v1.SamplingParams`` message."""
+    out: dict[str, Any] = {}
+    left = max_context - prompt_len
+    if sp.HasField("max_tokens"):
+        mt = sp.max_tokens
+        if mt < 1:
+            raise _invalid(f"max_tokens must be >= 1, got {mt}")
+        if mt > limits.max_tokens:
+            raise _invalid(f"max_tokens {mt} exceeds this server's limit of {limits.max_tokens}")
+        if mt > left:
+            raise _invalid(f"prompt ({prompt_len} tokens) + max_tokens ({mt}) = {prompt_len + mt} exceeds the "
+                           f"model's context of {max_context} tokens")
+    else:
+        mt = min(limits.default_max_tokens, left)
+    out["max_tokens"] = mt
+    if sp.HasField("temperature"):
+        t = _finite("temperature", sp.temperature)
+        if t < 0:
+            raise _invalid(f"temperature must be >= 0 (0 = greedy), got {t}")
+        out["temperature"] = t
+    if sp.HasField("top_k"):
+        if sp.top_k < 0:
+            raise _invalid(f"top_k must be >= 0 (0 = off), got {sp.top_k}")
+        out["top_k"] = int(sp.top_k)
+    if sp.HasField("top_p"):
+        p = _finite("top_p", sp.top_p)
+        if not 0.0 < p <= 1.0:
+            raise _invalid(f"top_p must be in (0, 1], got {p}")
+        out["top_p"] = p
+    if sp.HasField("min_p"):
+        p = _finite("min_p", sp.min_p)
+        if not 0.0 <= p < 1.0:
+            raise _invalid(f"min_p must be in [0, 1), got {p}")
+        out["min_p"] = p
+    if sp.HasField("seed"):
+        if sp.seed < 0:
+            raise _invalid(f"seed must be >= 0, got {sp.seed}")
+        out["seed"] = int(sp.seed)
+    if len(sp.stop) > limits.max_stop_strings:
+        raise _invalid(f"{len(sp.stop)} stop strings, more than the limit {limits.max_stop_strings}")
+    for i, s in enumerate(sp.stop):
+        if not s:
+            raise _invalid(f"stop string {i} is empty")
+        if len(s) > limits.max_stop_string_chars:
+            raise _invalid(f"stop string {i} has {len(s)} characters, more than {limits.max_stop_string_chars}")
+    out["stop"] = list(sp.stop)
+    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
+        raise _invalid(f"{len(sp.stop_token_ids)} stop_token_ids, more than the limit {limits.max_stop_token_ids}")
+    out["stop_token_ids"] = token_ids_in_vocab("stop_token_ids", sp.stop_token_ids, vocab_size)
+    out["ignore_eos"] = bool(sp.ignore_eos)
+    if not 0 <= sp.logprobs <= limits.max_logprobs:
+        raise _invalid(f"logprobs must be in 0..{limits.max_logprobs}, got {sp.logprobs}")
+    out["logprobs"] = int(sp.logprobs)
+    return out
+
+
+def check_generate(req, *, model_name: str, tokenizer, vocab_size: int, max_context: int, limits: Limits
+                   ) -> CheckedRequest:
+    """Validate a ``tbjax.v1.GenerateRequest``; raises ``RequestError`` naming the first problem found."""
+    check_model_name(req.model, model_name)
+    ids = prompt_ids_from_input(req, tokenizer, vocab_size, limits)
+    cap = limits.prompt_limit(max_context)
+    if len(ids) > cap:
+        raise _invalid(f"prompt has {len(ids)} tokens, more than the limit of {cap}")
+    params = check_sampling(req.params, prompt_len=len(ids), vocab_size=vocab_size, max_context=max_context,
+                            limits=limits)
+    return CheckedRequest(ids, params)
+
+
+def check_tokenize(req, *, model_name: str, tokenizer, vocab_size: int, limits: Limits) -> list[int]:
+    check_model_name(req.model, model_name)
+    add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+    return prompt_ids_from_input(req, tokenizer, vocab_size, limits, add_special_tokens=add)
+
+
+def build_params(make_params: Callable[..., Any], kwargs: dict[str, Any], vocab_size: int):
+    """``make_params(**kwargs)`` then its own ``validate(vocab_size)``; any ValueError -> INVALID_ARGUMENT."""
+    try:
+        params = make_params(**kwargs)
+        validate = getattr(params, "validate", None)
+        if validate is not None:
+            validate(vocab_size)
+    except (ValueError, TypeError) as e:
+        raise _invalid(f"sampling params: {e}") from None
+    return params

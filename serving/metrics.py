@@ -1,0 +1,103 @@
+"""Prometheus metrics of one server: latencies (TTFT, TPOT, ITL, per phase), queues, engine state, KV transfer.
+
+Each server owns its own ``CollectorRegistry`` (so several servers, e.g. in tests or one per role, never
+clash) and exposes it over HTTP on a separate port, loopback by default. Names follow Prometheus
+conventions (``tbjax_`` prefix, base units: seconds, bytes). The KV-transfer counters exist in every role
+so that dashboards do not change when prefill/decode disaggregation is switched on; colocated serving
+leaves them at zero.
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+__all__ = ["ServerMetrics", "PHASES"]
+
+# Request phases timed separately: tokenize+validate (servicer), queue (accepted -> handed to the engine),
+# first_token (handed to the engine -> first token: scheduler wait + prefill), decode (first -> last token).
+PHASES = ("tokenize", "queue", "first_token", "decode")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+
+
+class ServerMetrics:
+    """All metrics of one server, in its own registry. Thread-safe (prometheus_client objects are)."""
+
+    def __init__(self, role: str = "colocated"):
+        self.role = role
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("tbjax_time_to_first_token_seconds", "Request arrival to first streamed token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tbjax_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1)",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("tbjax_inter_token_latency_seconds", "Time between consecutive streamed chunks",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("tbjax_request_latency_seconds", "Request arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.phase = Histogram("tbjax_request_phase_seconds", "Time spent per request phase", ["phase"],
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.step = Histogram("tbjax_engine_step_seconds", "Wall time of one engine step",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tbjax_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.output_tokens = Counter("tbjax_generation_tokens", "Generated tokens streamed", registry=r)
+        self.requests = Counter("tbjax_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.rejected = Counter("tbjax_requests_rejected", "Requests refused before the engine", ["code"],
+                                registry=r)
+        self.inflight = Gauge("tbjax_requests_inflight", "Accepted, not finished", registry=r)
+        self.queued = Gauge("tbjax_requests_queued", "Accepted, waiting for their first token", registry=r)
+        self.engine_inbox = Gauge("tbjax_engine_inbox_size", "Commands waiting for the engine thread", registry=r)
+        self.running = Gauge("tbjax_engine_running_requests", "Requests the engine is running", registry=r)
+        self.waiting = Gauge("tbjax_engine_waiting_requests", "Requests waiting inside the engine", registry=r)
+        self.kv_used = Gauge("tbjax_kv_pages_used", "KV cache pages in use", registry=r)
+        self.kv_total = Gauge("tbjax_kv_pages_total", "KV cache pages in all", registry=r)
+        self.prefix_hit = Gauge("tbjax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                                "prompt tokens looked up", registry=r)
+        self.transfer_raw = Counter("tbjax_kv_transfer_raw_bytes", "KV bytes moved between workers, before the codec",
+                                    registry=r)
+        self.transfer_wire = Counter("tbjax_kv_transfer_compressed_bytes",
+                                     "KV bytes moved between workers, as sent (after the codec)", registry=r)
+        self.info = Gauge("tbjax_server_info", "Constant 1, labelled with the server's role", ["role"], registry=r)
+        self.info.labels(role=role).set(1)
+        self._http = None
+        self._lock = threading.Lock()
+
+    # -- engine snapshot (engine thread) -----------------------------------------------------------------
+    def update_engine(self, stats: dict) -> None:
+        """Copy an ``Engine.stats()`` dict into the gauges (missing keys leave a gauge as it was)."""
+        stats = dict(stats)
+        if "kv_pages_used" not in stats and "pages_used" in stats:  # the scheduler's own names
+            stats["kv_pages_used"] = stats["pages_used"]
+            if "pages_free" in stats:
+                stats["kv_pages_total"] = stats["pages_used"] + stats["pages_free"]
+        for key, gauge in (("running", self.running), ("waiting", self.waiting),
+                           ("kv_pages_used", self.kv_used), ("kv_pages_total", self.kv_total),
+                           ("prefix_hit_rate", self.prefix_hit)):
+            v = stats.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                gauge.set(v)
+
+    # -- exposition --------------------------------------------------------------------------------------
+    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve ``/metrics`` over HTTP on (host, port); returns the bound port (useful with port 0)."""
+        with self._lock:
+            if self._http is not None:
+                raise RuntimeError("metrics HTTP server already started")
+            httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = (httpd, thread)
+            return httpd.server_port
+
+    def stop_http(self) -> None:
+        with self._lock:
+            if self._http is None:
+                return
+            httpd, thread = self._http
+            self._http = None
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,60 @@
+"""`ServedModel`: what the front end needs from the model it serves, in one place.
+
+The servicer needs the model's name, tokenizer, vocabulary size and context length (to validate requests),
+a way to build ``SamplingParams``, and the engine to run. ``from_llm`` takes them from a ``tbjax.LLM``;
+tests and the load tool's smoke mode build one around the fake engine instead. A later prefill/decode
+router builds one whose ``engine`` forwards to workers: the servicer does not change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["ServedModel", "DEFAULT_MODEL_NAME", "model_name_for_path"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def model_name_for_path(path: str | None) -> str:
+    """The served name of a model loaded from ``path`` (None: the default model): the file or directory
+    name without a .gguf suffix."""
+    import os
+
+    if path is None:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+@dataclass
+class ServedModel:
+    name: str                             # what clients put in GenerateRequest.model
+    arch: str
+    tokenizer: Any                        # encode(text, add_special_tokens) / decode / apply_chat_template
+    vocab_size: int
+    max_context: int                      # prompt + output tokens of one request
+    eos_token_ids: tuple[int, ...]
+    make_params: Callable[..., Any]       # SamplingParams(**kwargs)
+    engine: Any                           # add_request / abort / step / has_unfinished / stats
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @classmethod
+    def from_llm(cls, llm, name: str | None = None) -> "ServedModel":
+        """Wrap a ``tbjax.LLM`` (its engine, tokenizer and spec). ``name`` defaults to the default model's."""
+        from tbjax.sampling import SamplingParams
+
+        spec = llm.spec
+        engine = llm.engine
+        ctx = spec.max_position
+        for attr in ("max_model_len", "max_context"):
+            v = getattr(engine, attr, None)
+            if isinstance(v, int) and v > 0:
+                ctx = min(ctx, v)
+        tok = llm.tokenizer
+        eos = tuple(getattr(tok, "eos_token_ids", ()) or spec.eos_token_ids)
+        return cls(name=name or getattr(llm, "model_name", None) or DEFAULT_MODEL_NAME, arch=spec.arch,
+                   tokenizer=tok, vocab_size=spec.vocab_size, max_context=ctx, eos_token_ids=eos,
+                   make_params=SamplingParams, engine=engine)

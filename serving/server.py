@@ -1,0 +1,351 @@
+"""The gRPC front end: the tbjax.v1 servicer, health checking, reflection, and the server's life cycle.
+
+``Server`` puts together a ``grpc.aio`` server on one asyncio loop, the ``EngineLoop`` thread that owns
+the engine, and the Prometheus endpoint. The servicer never touches the engine: it validates a request
+(``limits``), hands it to the engine thread and streams what comes back. Whatever ends an RPC early (the
+client goes away, its deadline passes, the server drains) runs the handler's ``finally``, which aborts the
+request in the engine and so frees its KV pages.
+
+``ServerThread`` runs a ``Server`` on a loop in a background thread (tests, notebooks, the load tool).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .api import API_VERSION, FINISH_REASONS, METHODS, SERVICE_NAME, Undecodable, lenient_deserializer, pb
+from .engine_loop import Admitted, EngineFailed, EngineLoop, EngineStopped, RequestStream
+from .limits import Limits, RequestError, build_params, check_generate, check_tokenize
+from .metrics import ServerMetrics
+from .model import ServedModel
+
+__all__ = ["TbjaxServicer", "Server", "ServerThread"]
+
+log = logging.getLogger(__name__)
+
+
+def _top_msgs(top) -> list:
+    items = top.items() if isinstance(top, dict) else (top or ())
+    return [pb.TopLogprob(token_id=int(t), logprob=float(v)) for t, v in items]
+
+
+def _logprobs_msgs(token_ids: list[int], lps) -> list:
+    """Engine logprobs -> TokenLogprob messages. Per new token the engine gives
+    ``(token_logprob, [(id, logprob), ...top-n])``; a ``{id: logprob}`` dict (top-n plus the sampled token)
+    is accepted too."""
+    msgs = []
+    for tok, lp in zip(token_ids, lps or ()):
+        if isinstance(lp, dict):
+            top = sorted(lp.items(), key=lambda kv: -kv[1])
+            msgs.append(pb.TokenLogprob(token_id=tok, logprob=float(lp.get(tok, float("nan"))), top=_top_msgs(top)))
+        else:
+            value, top = lp
+            msgs.append(pb.TokenLogprob(token_id=tok, logprob=float(value), top=_top_msgs(top)))
+    return msgs
+
+
+class TbjaxServicer:
+    """Implements tbjax.v1.Tbjax over an ``EngineLoop``. Runs on the server's asyncio loop only."""
+
+    def __init__(self, model: ServedModel, engine_loop: EngineLoop, limits: Limits, metrics: ServerMetrics,
+                 role: str = "colocated"):
+        self.model = model
+        self.engine_loop = engine_loop
+        self.limits = limits
+        self.metrics = metrics
+        self.role = role
+        self._active: dict[str, RequestStream] = {}
+        self.num_inflight = 0   # accepted, not finished
+        self.num_queued = 0     # accepted, no token yet
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    async def _reject(self, context, code: grpc.StatusCode, message: str):
+        self.metrics.rejected.labels(code=code.name).inc()
+        await context.abort(code, message)
+
+    def _set_gauges(self) -> None:
+        self.metrics.inflight.set(self.num_inflight)
+        self.metrics.queued.set(self.num_queued)
+
+    # -- RPCs ----------------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        t_arrival = time.perf_counter()
+        if isinstance(request, Undecodable):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"cannot parse {request.type_name}: {request.reason}")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
+        lim = self.limits
+        if self.num_inflight >= lim.max_concurrent_requests:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {self.num_inflight} requests in flight (limit "
+                               f"{lim.max_concurrent_requests}); retry later")
+        if self.num_queued >= lim.max_queued_requests:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"queue full: {self.num_queued} requests waiting for their first token (limit "
+                               f"{lim.max_queued_requests}); retry later")
+        self.num_inflight += 1
+        self.num_queued += 1
+        self._set_gauges()
+        queued, rid, submitted, finished, outcome = True, None, False, False, "cancelled"
+        try:
+            m = self.model
+            try:
+                checked = await asyncio.to_thread(
+                    check_generate, request, model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
+                    max_context=m.max_context, limits=lim)
+                params = build_params(m.make_params, checked.params, m.vocab_size)
+            except RequestError as e:
+                outcome = "rejected"
+                await self._reject(context, e.code, e.message)
+            rid = request.request_id or uuid.uuid4().hex
+            if rid in self._active:
+                outcome, rid_taken, rid = "rejected", rid, None
+                await self._reject(context, grpc.StatusCode.ALREADY_EXISTS,
+                                   f"request id {rid_taken!r} is already in flight")
+            t_validated = time.perf_counter()
+            self.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)
+            n_prompt = len(checked.prompt_token_ids)
+            stream = RequestStream(asyncio.get_running_loop(), rid)
+            self._active[rid] = stream
+            self.engine_loop.submit(rid, checked.prompt_token_ids, params, stream)
+            submitted = True
+            t_admit = t_validated
+            t_first = t_last = None
+            n_out = 0
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Admitted):
+                    t_admit = item.time
+                    self.metrics.phase.labels(phase="queue").observe(t_admit - t_validated)
+                    self.metrics.prompt_tokens.inc(n_prompt)
+                    continue
+                if isinstance(item, BaseException):
+                    finished = True  # the engine does not hold it any more
+                    if isinstance(item, EngineStopped):
+                        outcome, code = "unavailable", grpc.StatusCode.UNAVAILABLE
+                    elif isinstance(item, EngineFailed):
+                        outcome, code = "error", grpc.StatusCode.INTERNAL
+                    elif isinstance(item, ValueError):   # refused by the engine (e.g. RequestTooLarge)
+                        outcome, code = "rejected", grpc.StatusCode.INVALID_ARGUMENT
+                    else:
+                        outcome, code = "error", grpc.StatusCode.INTERNAL
+                    await self._reject(context, code, str(item) or type(item).__name__)
+                now = time.perf_counter()
+                new_ids = list(item.new_token_ids)
+                if new_ids:
+                    if t_first is None:
+                        t_first = now
+                        self.metrics.ttft.observe(now - t_arrival)
+                        self.metrics.phase.labels(phase="first_token").observe(now - t_admit)
+                    else:
+                        self.metrics.itl.observe(now - t_last)
+                    t_last = now
+                    n_out += len(new_ids)
+                    self.metrics.output_tokens.inc(len(new_ids))
+                if queued and (new_ids or item.finished):
+                    queued = False
+                    self.num_queued -= 1
+                    self._set_gauges()
+                resp = pb.GenerateResponse(request_id=rid, token_ids=new_ids, text=item.text_delta or "")
+                if item.logprobs:
+                    resp.logprobs.extend(_logprobs_msgs(new_ids, item.logprobs))
+                if item.finished:
+                    finished = True
+                    reason = item.finish_reason or "stop"
+                    resp.finish_reason = FINISH_REASONS.get(reason, pb.FINISH_REASON_ABORT)
+                    resp.usage.prompt_tokens = n_prompt
+                    resp.usage.completion_tokens = n_out
+                    outcome = reason
+                    self.metrics.e2e.observe(now - t_arrival)
+                    if t_first is not None:
+                        self.metrics.phase.labels(phase="decode").observe(now - t_first)
+                        if n_out > 1:
+                            self.metrics.tpot.observe((t_last - t_first) / (n_out - 1))
+                    yield resp
+                    return
+                yield resp
+        finally:
+            if submitted and not finished:
+                self.engine_loop.abort(rid)   # client gone / deadline / drain: free its pages now
+            if rid is not None and submitted:
+                self._active.pop(rid, None)
+            if queued:
+                self.num_queued -= 1
+            self.num_inflight -= 1
+            self._set_gauges()
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+    async def Tokenize(self, request, context):
+        if isinstance(request, Undecodable):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"cannot parse {request.type_name}: {request.reason}")
+        m = self.model
+        try:
+            ids = await asyncio.to_thread(check_tokenize, request, model_name=m.name, tokenizer=m.tokenizer,
+                                          vocab_size=m.vocab_size, limits=self.limits)
+        except RequestError as e:
+            await self._reject(context, e.code, e.message)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def ModelInfo(self, request, context):
+        m, lim = self.model, self.limits
+        return pb.ModelInfoResponse(
+            model=m.name, arch=m.arch, vocab_size=m.vocab_size, max_context=m.max_context,
+            max_prompt_tokens=lim.prompt_limit(m.max_context), max_tokens_limit=lim.max_tokens,
+            default_max_tokens=lim.default_max_tokens, eos_token_ids=list(m.eos_token_ids),
+            has_chat_template=m.has_chat_template, role=self.role, api_version=API_VERSION)
+
+
+def _generic_handler(servicer: TbjaxServicer) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for name, (req_cls, resp_cls, streaming) in METHODS.items():
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(getattr(servicer, name), request_deserializer=lenient_deserializer(req_cls),
+                              response_serializer=resp_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+class Server:
+    """A tbjax gRPC server (colocated role: one engine does prefill and decode)."""
+
+    def __init__(self, model: ServedModel, *, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
+                 metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated"):
+        if role != "colocated":
+            raise ValueError(f"role {role!r} is not implemented yet (only 'colocated')")
+        self.model = model
+        self.host, self.port = host, port
+        self.limits = limits or Limits()
+        self.metrics_host, self.metrics_port = metrics_host, metrics_port
+        self.role = role
+        self.metrics = ServerMetrics(role)
+        self.engine_loop = EngineLoop(model.engine, self.metrics)
+        self.servicer = TbjaxServicer(model, self.engine_loop, self.limits, self.metrics, role)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._stopping = False
+        self.bound_port: int | None = None
+        self.bound_metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{h}:{self.bound_port}"
+
+    async def start(self) -> int:
+        mb = self.limits.max_message_bytes
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", mb),
+            ("grpc.max_send_message_length", max(mb, 4 << 20)),
+            ("grpc.so_reuseport", 0),
+        ])
+        server.add_generic_rpc_handlers((_generic_handler(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        port = server.add_insecure_port(f"{h}:{self.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {h}:{self.port}")
+        self.engine_loop.start()
+        await server.start()
+        self._server = server
+        self.bound_port = port
+        if self.metrics_port is not None:
+            self.bound_metrics_port = self.metrics.start_http(self.metrics_host, self.metrics_port)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    async def stop(self, grace: float | None = 10.0) -> None:
+        """Drain, then stop: health says NOT_SERVING, new RPCs are refused, RPCs in flight get ``grace``
+        seconds to finish (then they are cancelled, which aborts them in the engine), then the engine
+        thread and the metrics endpoint stop. Calling it again (e.g. with grace 0) while a drain runs
+        cuts the drain short."""
+        if self._server is None:
+            return
+        if self._stopping:
+            await self._server.stop(grace)
+            return
+        self._stopping = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.stop(grace)
+        await asyncio.to_thread(self.engine_loop.stop)
+        self.metrics.stop_http()
+        self._server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+class ServerThread:
+    """Runs a ``Server`` on its own asyncio loop in a daemon thread. ``start()`` returns once it listens."""
+
+    def __init__(self, model: ServedModel, **server_kwargs):
+        self.server = Server(model, **server_kwargs)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="tbjax-grpc", daemon=True)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace = 5.0
+
+    @property
+    def port(self) -> int:
+        return self.server.bound_port
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._main())
+        self.loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        try:
+            await self.server.start()
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+            self._ready.set()
+            await asyncio.to_thread(self.server.engine_loop.stop)
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop(self._grace)
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("server did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def run_coro(self, coro, timeout: float | None = 30.0):
+        """Run a coroutine on the server's loop (e.g. to read servicer state) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace: float = 5.0, timeout: float = 60.0) -> None:
+        if not self._thread.is_alive():
+            return
+        self._grace = grace
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

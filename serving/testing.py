@@ -1,0 +1,119 @@
+"""Helpers shared by the serving tests and the load tool's self-check (not used by the server itself).
+
+- ``kv_pages_all_free(engine)``: run on the engine thread (``EngineLoop.call``) to check that no request is
+  left and that every KV page comes back once the prefix cache lets go of its (unlocked) pages.
+- ``BAD_REQUESTS``: the bad-input cases of the issue, each with the status code it must get.
+- ``raw_generate(channel, payload)``: send raw bytes as a GenerateRequest (for invalid UTF-8 and the like).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from .api import method_path, pb
+
+__all__ = ["kv_pages_all_free", "BadRequest", "BAD_REQUESTS", "raw_generate", "encode_field"]
+
+
+def kv_pages_all_free(engine) -> dict:
+    """Between steps: check the scheduler's bookkeeping, drop the unlocked prefix-cache pages, and report
+    free vs usable pages per dp rank. Raises AssertionError if a request is still held."""
+    s = engine.scheduler
+    s.check()
+    assert not s.has_unfinished(), f"requests still in the engine: {s.stats()['num_running']} running, " \
+                                   f"{s.stats()['num_waiting']} waiting"
+    out = []
+    for r in s.ranks:
+        if r.cache is not None:
+            r.cache.clear()
+        out.append((r.allocator.num_free, r.allocator.num_usable))
+    return {"ranks": out, "all_free": all(f == u for f, u in out)}
+
+
+def encode_field(number: int, wire_type: int, payload: bytes) -> bytes:
+    """One protobuf field (length-delimited when wire_type == 2), for hand-made wire bytes."""
+    key = (number << 3) | wire_type
+
+    def varint(v: int) -> bytes:
+        out = bytearray()
+        while True:
+            b = v & 0x7F
+            v >>= 7
+            out.append(b | (0x80 if v else 0))
+            if not v:
+                return bytes(out)
+    if wire_type == 2:
+        return varint(key) + varint(len(payload)) + payload
+    raise ValueError("only length-delimited fields are supported")
+
+
+def raw_generate(channel: grpc.Channel, payload: bytes, timeout: float = 30.0) -> list:
+    """Call Generate with ``payload`` as the request bytes; returns the responses (raises grpc.RpcError)."""
+    rpc = channel.unary_stream(method_path("Generate"), request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+    return list(rpc(payload, timeout=timeout))
+
+
+@dataclass(frozen=True)
+class BadRequest:
+    name: str
+    code: grpc.StatusCode
+    must_mention: str                          # a word the status message must contain (case-insensitive)
+    make: Callable[[dict], object]             # info (ModelInfo as dict) -> GenerateRequest or raw bytes
+
+
+def _req(prompt="Hello", **params):
+    r = pb.GenerateRequest(prompt=prompt)
+    for k, v in params.items():
+        setattr(r.params, k, v)
+    return r
+
+
+def _ids(ids, **params):
+    r = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids))
+    for k, v in params.items():
+        setattr(r.params, k, v)
+    return r
+
+
+BAD_REQUESTS = [
+    BadRequest("empty_prompt", grpc.StatusCode.INVALID_ARGUMENT, "empty", lambda i: _req("")),
+    BadRequest("no_input", grpc.StatusCode.INVALID_ARGUMENT, "no input", lambda i: pb.GenerateRequest()),
+    BadRequest("empty_token_ids", grpc.StatusCode.INVALID_ARGUMENT, "empty", lambda i: _ids([])),
+    BadRequest("empty_chat", grpc.StatusCode.INVALID_ARGUMENT, "no messages",
+               lambda i: pb.GenerateRequest(chat=pb.ChatMessages())),
+    BadRequest("prompt_over_limit", grpc.StatusCode.INVALID_ARGUMENT, "limit",
+               lambda i: _ids([5] * (i["max_prompt_tokens"] + 1))),
+    BadRequest("max_tokens_negative", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens",
+               lambda i: _req(max_tokens=-3)),
+    BadRequest("max_tokens_zero", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens", lambda i: _req(max_tokens=0)),
+    BadRequest("max_tokens_absurd", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens",
+               lambda i: _req(max_tokens=2_000_000_000)),
+    BadRequest("max_tokens_over_context", grpc.StatusCode.INVALID_ARGUMENT, "context",
+               lambda i: _ids([5] * (i["max_context"] // 2 + 1), max_tokens=min(i["max_tokens_limit"],
+                                                                                 i["max_context"] // 2 + 1))),
+    BadRequest("temperature_negative", grpc.StatusCode.INVALID_ARGUMENT, "temperature",
+               lambda i: _req(temperature=-0.5)),
+    BadRequest("temperature_nan", grpc.StatusCode.INVALID_ARGUMENT, "temperature",
+               lambda i: _req(temperature=float("nan"))),
+    BadRequest("top_p_zero", grpc.StatusCode.INVALID_ARGUMENT, "top_p", lambda i: _req(top_p=0.0)),
+    BadRequest("top_p_above_one", grpc.StatusCode.INVALID_ARGUMENT, "top_p", lambda i: _req(top_p=1.5)),
+    BadRequest("top_k_negative", grpc.StatusCode.INVALID_ARGUMENT, "top_k", lambda i: _req(top_k=-1)),
+    BadRequest("min_p_one", grpc.StatusCode.INVALID_ARGUMENT, "min_p", lambda i: _req(min_p=1.0)),
+    BadRequest("logprobs_too_many", grpc.StatusCode.INVALID_ARGUMENT, "logprobs", lambda i: _req(logprobs=1000)),
+    BadRequest("token_id_over_vocab", grpc.StatusCode.INVALID_ARGUMENT, "vocabulary",
+               lambda i: _ids([1, 2, i["vocab_size"]])),
+    BadRequest("token_id_negative", grpc.StatusCode.INVALID_ARGUMENT, "vocabulary", lambda i: _ids([1, -7])),
+    BadRequest("stop_token_id_over_vocab", grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids",
+               lambda i: pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(stop_token_ids=[i["vocab_size"]]))),
+    BadRequest("empty_stop_string", grpc.StatusCode.INVALID_ARGUMENT, "stop",
+               lambda i: pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(stop=[""]))),
+    BadRequest("invalid_utf8", grpc.StatusCode.INVALID_ARGUMENT, "utf-8",
+               lambda i: encode_field(3, 2, b"Hello \xff\xfe world")),   # field 3 = prompt
+    BadRequest("unknown_model", grpc.StatusCode.NOT_FOUND, "unknown model",
+               lambda i: pb.GenerateRequest(model="no-such-model", prompt="Hi")),
+    BadRequest("oversized_message", grpc.StatusCode.RESOURCE_EXHAUSTED, "",
+               lambda i: encode_field(3, 2, b"x" * (i["_max_message_bytes"] + 1024))),
+]

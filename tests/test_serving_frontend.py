@@ -1,0 +1,306 @@
+"""gRPC front end over real loopback gRPC, driven by the fake engine (serving.fake_engine: the real scheduler
+and page allocator, a toy next-token hash whose output `reference` computes independently).
+
+Covers: streaming equals the reference, concurrency does not change outputs, chat/tokenize/model info,
+logprobs, stop token ids, request ids, backpressure (RESOURCE_EXHAUSTED), cancellation and deadlines
+freeing KV pages, engine refusal and engine crash statuses, health, reflection, metrics, drain.
+"""
+import random
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from serving.api import pb
+from serving.client import Client
+from serving.fake_engine import EOS, FakeEngine, fake_served_model, reference
+from serving.limits import Limits
+from serving.server import ServerThread
+from serving.testing import kv_pages_all_free
+
+
+def _wait_all_free(st, timeout=10.0):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            r = st.server.engine_loop.call(kv_pages_all_free).result(10)
+            if r["all_free"]:
+                return r
+        except AssertionError:
+            r = None
+        if time.time() > deadline:
+            raise AssertionError(f"KV pages not all free after {timeout} s: {r}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def fast():
+    st = ServerThread(fake_served_model(step_time_s=0.001, num_pages=1024), limits=Limits(max_message_bytes=1 << 16)).start()
+    with Client(st.address, timeout=30) as c:
+        yield st, c
+    st.stop()
+
+
+def _rand_prompt(rng, n=None):
+    return [rng.randrange(3, 259) for _ in range(n or rng.randrange(1, 30))]
+
+
+def test_stream_equals_reference_and_usage(fast):
+    st, c = fast
+    rng = random.Random(1)
+    ids = _rand_prompt(rng, 12)
+    chunks = list(c.generate_stream(token_ids=ids, max_tokens=17, temperature=0, ignore_eos=True))
+    want, reason = reference(ids, 17, ignore_eos=True)
+    assert [t for ch in chunks for t in ch.token_ids] == want
+    assert len(chunks) == 17 and all(len(ch.token_ids) == 1 for ch in chunks)   # streamed, one per step
+    assert [ch.finish_reason for ch in chunks] == [None] * 16 + ["length"] == [None] * 16 + [reason]
+    assert (chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (12, 17)
+    assert "".join(ch.text for ch in chunks) == st.server.model.tokenizer.decode(want)
+
+
+def test_text_prompt_and_seed_and_eos(fast):
+    st, c = fast
+    tok = st.server.model.tokenizer
+    for seed in (0, 3, 11):
+        got = c.generate("Once upon a time", max_tokens=200, seed=seed, temperature=0.7)
+        want, reason = reference(tok.encode("Once upon a time"), 200, seed=seed)
+        assert got.token_ids == want and got.finish_reason == reason
+        if reason == "stop":
+            assert want[-1] == EOS
+
+
+def test_concurrent_streams_each_equal_reference(fast):
+    st, c = fast
+    rng = random.Random(2)
+    jobs = [(_rand_prompt(rng), rng.randrange(1, 40)) for _ in range(24)]
+    results = [None] * len(jobs)
+
+    def run(i):
+        ids, mt = jobs[i]
+        results[i] = c.generate(token_ids=ids, max_tokens=mt, temperature=0)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    for (ids, mt), got in zip(jobs, results):
+        want, reason = reference(ids, mt)
+        assert got.token_ids == want and got.finish_reason == reason
+    _wait_all_free(st)
+
+
+def test_chat_and_tokenize_match_the_template(fast):
+    st, c = fast
+    tok = st.server.model.tokenizer
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}]
+    want_ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    assert c.tokenize(messages=msgs) == want_ids
+    assert c.tokenize("héllo") == tok.encode("héllo")
+    got = c.generate(messages=msgs, max_tokens=9, temperature=0)
+    assert got.token_ids == reference(want_ids, 9)[0] and got.prompt_tokens == len(want_ids)
+    with pytest.raises(grpc.RpcError) as e:
+        c.tokenize("")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_model_info_and_health(fast):
+    st, c = fast
+    info = c.model_info()
+    assert info["model"] == "fake" and info["vocab_size"] == 259 and info["max_context"] == 512
+    assert info["max_prompt_tokens"] == 511 and info["role"] == "colocated" and info["api_version"] == "tbjax.v1"
+    assert info["eos_token_ids"] == [EOS]
+    assert c.health() == "SERVING" and c.health("tbjax.v1.Tbjax") == "SERVING"
+
+
+def test_reflection_lists_services(fast):
+    st, c = fast
+    db = ProtoReflectionDescriptorDatabase(c.channel)
+    services = set(db.get_services())
+    assert {"tbjax.v1.Tbjax", "grpc.health.v1.Health"} <= services
+    fd = db.FindFileContainingSymbol("tbjax.v1.Tbjax")
+    assert fd.package == "tbjax.v1"
+
+
+def test_logprobs_and_stop_token_ids(fast):
+    st, c = fast
+    ids = [40, 41, 42]
+    want, _ = reference(ids, 30, ignore_eos=True)
+    stop_at = next(i for i, t in enumerate(want) if i >= 3 and t not in want[:i])
+    got = c.generate(token_ids=ids, max_tokens=30, temperature=0, ignore_eos=True,
+                     stop_token_ids=[want[stop_at]], logprobs=3)
+    assert got.token_ids == want[:stop_at + 1] and got.finish_reason == "stop"
+    assert [lp[0] for lp in got.logprobs] == got.token_ids
+    for tokid, lp, top in got.logprobs:        # the fake: sampled -0.5, then (t+k) % V at -1-k
+        assert lp == -0.5 and [t for t, _ in top] == [tokid, (tokid + 1) % 259, (tokid + 2) % 259]
+
+
+def test_request_id_echoed_and_duplicates_refused(fast):
+    st, c = fast
+    call = c.generate_call(pb.GenerateRequest(request_id="dup-1", prompt="Hi",
+                                              params=pb.SamplingParams(max_tokens=400, ignore_eos=True)))
+    first = next(call)
+    assert first.request_id == "dup-1"
+    with pytest.raises(grpc.RpcError) as e:
+        c.generate("Hi", request_id="dup-1", max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup-1" in e.value.details()
+    aborted = _num_aborted(st)
+    call.cancel()
+    _wait_all_free(st)
+    assert _num_aborted(st) == aborted + 1
+    assert c.generate("Hi", request_id="dup-1", max_tokens=2).request_id == "dup-1"   # free again
+
+
+def test_metrics_endpoint(fast):
+    st, c = fast
+    before = st.server.metrics.ttft._sum.get(), st.server.metrics.output_tokens._value.get()
+    n_req = 3
+    for i in range(n_req):
+        c.generate(token_ids=[50 + i], max_tokens=5, temperature=0, ignore_eos=True)
+    port = st.server.bound_metrics_port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    vals = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            vals[k] = float(v)
+    assert vals["tbjax_generation_tokens_total"] - before[1] == 5 * n_req
+    for name in ("tbjax_time_to_first_token_seconds_count", "tbjax_time_per_output_token_seconds_count",
+                 "tbjax_inter_token_latency_seconds_count", 'tbjax_request_phase_seconds_count{phase="queue"}',
+                 'tbjax_request_phase_seconds_count{phase="decode"}', "tbjax_kv_pages_total",
+                 "tbjax_kv_pages_used", "tbjax_prefix_cache_hit_rate", "tbjax_requests_queued",
+                 "tbjax_engine_running_requests", "tbjax_engine_waiting_requests",
+                 "tbjax_kv_transfer_raw_bytes_total", "tbjax_kv_transfer_compressed_bytes_total"):
+        assert name in vals, name
+    assert vals["tbjax_kv_pages_total"] == 1023
+    assert vals["tbjax_requests_inflight"] == 0 and vals["tbjax_requests_queued"] == 0
+
+
+def _num_aborted(st):
+    return st.server.engine_loop.call(lambda e: e.scheduler.num_aborted).result(10)
+
+
+def test_cancellation_frees_pages(fast):
+    st, c = fast
+    aborted = _num_aborted(st)
+    stream = c.generate_stream(token_ids=[7] * 40, max_tokens=450, ignore_eos=True)
+    for _ in range(3):
+        next(stream)
+    used = st.server.engine_loop.call(lambda e: e.scheduler.stats()["pages_used"]).result(10)
+    assert used >= 10   # 43 tokens over pages of 4
+    stream.close()   # cancels the RPC
+    _wait_all_free(st)
+    assert _num_aborted(st) == aborted + 1   # freed by the abort, not by running to the end
+
+
+def test_deadline_mid_stream_aborts_and_frees(fast):
+    st, c = fast
+    aborted = _num_aborted(st)
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for ch in c.generate_stream(token_ids=[9] * 8, max_tokens=480, ignore_eos=True, timeout=0.3):
+            got.append(ch)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < len(got) < 480
+    _wait_all_free(st)
+    assert _num_aborted(st) == aborted + 1
+
+
+def test_deadline_already_past(fast):
+    st, c = fast
+    with pytest.raises(grpc.RpcError) as e:
+        c.generate("Hi", max_tokens=3, timeout=0)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert c.generate("Hi", max_tokens=3).completion_tokens == 3
+
+
+class _SlowOnce(FakeEngine):
+    """Fake engine whose step raises once when armed (to check the INTERNAL path)."""
+
+    armed = False
+
+    def step(self):
+        if self.armed and self.scheduler.has_unfinished():
+            self.armed = False
+            raise RuntimeError("simulated device failure")
+        return super().step()
+
+
+def test_backpressure_engine_refusal_and_engine_crash():
+    model = fake_served_model(step_time_s=0.01, num_pages=40, page_size=4, max_model_len=512)
+    eng = _SlowOnce(num_pages=40, page_size=4, max_model_len=512, step_time_s=0.01)
+    model.engine, model.tokenizer = eng, eng.tokenizer
+    lim = Limits(max_concurrent_requests=3, max_queued_requests=2)
+    with ServerThread(model, limits=lim, metrics_port=None) as st, Client(st.address, timeout=30) as c:
+        # engine refusal: fits the context (512) but not the 39 pages of 4 tokens
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(token_ids=[5] * 100, max_tokens=100)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pages" in e.value.details()
+        # two long streams that have started (not queued any more) + one queued...
+        s1 = c.generate_stream(token_ids=[5], max_tokens=50, ignore_eos=True)
+        s2 = c.generate_stream(token_ids=[6], max_tokens=50, ignore_eos=True)
+        next(s1), next(s2)
+        s3 = c.generate_stream(token_ids=[7], max_tokens=50, ignore_eos=True)
+        next(s3)
+        with pytest.raises(grpc.RpcError) as e:      # 3 in flight: the 4th is refused
+            c.generate("x", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in e.value.details()
+        s3.close()
+        _ = [ch for ch in s1], [ch for ch in s2]
+        assert c.generate("x", max_tokens=2).completion_tokens == 2     # accepted again
+        # queue limit: block the engine thread so requests stay queued
+        gate = threading.Event()
+        st.server.engine_loop.call(lambda e: gate.wait(10))
+        q1 = c.generate_call(pb.GenerateRequest(prompt="a", params=pb.SamplingParams(max_tokens=2)))
+        q2 = c.generate_call(pb.GenerateRequest(prompt="b", params=pb.SamplingParams(max_tokens=2)))
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("c", max_tokens=2, timeout=5)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.value.details()
+        gate.set()
+        assert sum(len(r.token_ids) for r in q1) == 2 and sum(len(r.token_ids) for r in q2) == 2
+        # an engine crash fails the requests in flight with INTERNAL; the server keeps serving
+        eng.armed = True
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("boom", max_tokens=5)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated device failure" in e.value.details()
+        got = c.generate(token_ids=[8, 9], max_tokens=6, temperature=0)
+        assert got.token_ids == reference([8, 9], 6)[0]
+        _wait_all_free(st)
+
+
+def test_drain_finishes_running_refuses_new():
+    with ServerThread(fake_served_model(step_time_s=0.01), metrics_port=None) as st, \
+            Client(st.address, timeout=30) as c:
+        stream = c.generate_stream(token_ids=[11, 12], max_tokens=60, ignore_eos=True, temperature=0)
+        first = next(stream)
+        stopper = threading.Thread(target=st.stop, kwargs={"grace": 20})
+        stopper.start()
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:        # draining: new RPCs are refused
+            c.generate("new", max_tokens=2, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)                            # the running one completes
+        ids = first.token_ids + [t for ch in rest for t in ch.token_ids]
+        assert ids == reference([11, 12], 60, ignore_eos=True)[0] and rest[-1].finish_reason == "length"
+        stopper.join(30)
+        assert not stopper.is_alive() and not st.server.engine_loop.alive
+
+
+def test_drain_timeout_cancels_and_frees():
+    model = fake_served_model(step_time_s=0.01)
+    st = ServerThread(model, metrics_port=None).start()
+    c = Client(st.address, timeout=30)
+    stream = c.generate_stream(token_ids=[3, 4], max_tokens=500, ignore_eos=True)
+    next(stream)
+    st.stop(grace=0.3)
+    with pytest.raises(grpc.RpcError):
+        list(stream)
+    c.close()
+    assert not st.server.engine_loop.alive
+    assert model.engine.scheduler.num_aborted == 1
+    assert kv_pages_all_free(model.engine)["all_free"]   # the engine thread is gone: safe to look directly

@@ -36,6 +36,11 @@ def _need(get: Getter, name: str, layer: int | None, shape: tuple[int, ...], whe
 
 def _layer_param(spec: ModelSpec, get: Getter, name: str, i: int, where: str) -> np.ndarray:
     D, N, K, H, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.ffn_dim
+    if spec.moe is not None or spec.mla is not None:   # MoE / MLA parameters: tbjax/weights/hf_names_moe.py
+        from tbjax.weights.hf_names_moe import layer_param as _moe_mla_param
+        t = _moe_mla_param(spec, get, name, i, where)
+        if t is not None:
+            return t
     if name == "attn_norm":
         return _need(get, "attn_norm", i, (D,), where)
     if name == "mlp_norm":

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Mapping
 
 from .page_allocator import PageAllocator
-from .prefix_cache import CacheNode, PrefixCache, PrefixMatch
+from .prefix_cache import PrefixCache, PrefixMatch
 from .request import FinishReason, Sequence, SequenceStatus, StepOutput
 
 __all__ = ["RequestTooLarge", "SchedulerConfig", "ScheduledEntry", "ScheduledBatch", "Scheduler"]
@@ -418,6 +418,8 @@ class Scheduler:
             """Pages for up to ``want`` tokens of ``seq``, preempting the newest sequences of its rank if
             needed; returns the tokens granted (0 if ``seq`` itself was preempted)."""
             nonlocal budget
+            if len(seq.block_table) * self.page_size - seq.num_computed_tokens >= want:
+                return want  # its pages already cover the tokens
             while True:
                 cap = self._tokens_coverable(seq)
                 if cap >= 1:

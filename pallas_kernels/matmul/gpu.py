@@ -301,7 +301,7 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
                 continue
             cfg = TileConfig(tile_d=tile_d, tile_f=tile_f)
             plan = make_plan(d, f, t, n_mats, w_itemsize, block_scaled, cfg, num_sms)
-            if plan.stages < 2:
+            if plan.stages < min(2, plan.n_per):
                 continue
             key = (min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize, tile_f, tile_d)
             if best_key is None or key > best_key:
@@ -329,7 +329,7 @@ def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | Non
     if reason:
         return None, reason
     plan = make_plan(d, f, t, len(ws), jnp.dtype(ws[0].dtype).itemsize, block_scaled, cfg, num_sms)
-    if plan.stages < 2:
+    if plan.stages < min(2, plan.n_per):
         return None, f"tiles {cfg.tile_d}x{cfg.tile_f} at Tp={plan.tp} leave no SMEM for a 2-stage pipeline"
     return cfg, plan
 

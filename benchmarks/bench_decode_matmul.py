@@ -1,0 +1,445 @@
+"""Benchmark (issue 9): weight bytes read per second by the decode matmuls, kernel vs XLA, on a GPU.
+
+What it measures, all in one process and one run so ratios are comparable:
+  1. ceiling: a large device-to-device copy (torch, read + write bytes) and a JAX copy;
+  2. sweep:   Llama-3.1-8B (4096x{6144 qkv, 4096 o, 28672 gate/up, 14336 down}) and DeepSeek-V3
+              expert (7168x2048, 2048x7168) shapes at T = 1, 8, 32, 64, 128, bf16 and fp8 (128x128
+              block scales): the Mosaic GPU kernel (layers read in place from a stack) vs the best
+              XLA arrangement of the issue's table (a Python loop of jnp.dot over separate arrays;
+              fp8: dequantize to bf16 then dot). Every kernel result is checked against XLA's.
+  3. loops:   the layer-loop question on 4096x14336 bf16, 16 layers: Python loop / fori_loop with a
+              layer index / scan over stacked weights / scan(unroll=True), with the kernel and XLA dot;
+  4. fused:   gate_up_silu (two matrices, one launch) vs two decode_matmul calls + XLA silu*mul;
+  5. tune:    a few tile configurations on one shape;
+  6. flags:   (subprocess) the XLA loop variants again under default XLA flags.
+Each timed call runs L layers (L chosen so a call streams >= ~1.5 GB, far above the 50 MB L2);
+10 calls are queued back to back and timed together (host dispatch hidden), median of 3.
+
+Run: python3 benchmarks/bench_decode_matmul.py --out DIR   (DIR gets bench_decode_matmul.json)
+     --dry: tiny shapes in interpret mode on CPU, to check the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LLAMA = [("llama8b.qkv", 4096, 6144), ("llama8b.o", 4096, 4096), ("llama8b.gate_up", 4096, 28672),
+         ("llama8b.down", 14336, 4096)]
+DSV3 = [("dsv3.expert_up", 7168, 2048), ("dsv3.expert_down", 2048, 7168)]
+TS = (1, 8, 32, 64, 128)
+T0 = time.perf_counter()
+RESULTS: dict = {"rows": [], "loops": [], "fused": [], "tune": [], "errors": []}
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def save(out_dir):
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_decode_matmul.json"), "w") as fh:
+            json.dump(RESULTS, fh, indent=1, default=str)
+
+
+def torch_copy_ceiling(nbytes=4 << 30):
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(5):
+                b.copy_(a)
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3 / 5)
+        t = statistics.median(ts)
+        del a, b
+        torch.cuda.empty_cache()
+        return {"what": "torch D2D copy, read+write bytes", "bytes": 2 * nbytes, "s": t, "TBps": 2 * nbytes / t / 1e12}
+    except Exception as e:  # noqa: BLE001 - the ceiling is optional
+        return {"error": repr(e)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--sections", default="ceiling,sweep,loops,fused,tune,flags")
+    ap.add_argument("--default-flags", action="store_true", help="don't set the library's XLA flags")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting sweep rows after this")
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    if args.dry:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from pallas_kernels.matmul.flags import merged_xla_flags
+    if not args.default_flags and not args.dry:
+        os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS"))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")
+    RESULTS["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    if "ceiling" in sections and not args.dry:
+        RESULTS["torch_copy"] = torch_copy_ceiling()
+        log("torch copy", RESULTS["torch_copy"])
+
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.matmul import gpu, tpu, reference
+
+    dry = args.dry
+    interp = jax.default_backend() != "gpu"
+    nsm = 4 if interp else None
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    RESULTS["jax"] = jax.__version__
+    log("device", RESULTS["device"], "flags", RESULTS["xla_flags"])
+    n_calls, n_meas = (1, 1) if dry else (10, 3)
+
+    def timeit(fn, *a):
+        out = fn(*a)
+        jax.block_until_ready(out)
+        ts = []
+        for _ in range(n_meas):
+            t = time.perf_counter()
+            for _ in range(n_calls):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            ts.append((time.perf_counter() - t) / n_calls)
+        return statistics.median(ts), out
+
+    key = [jax.random.key(int(time.time()))]
+
+    def rnd(shape, dtype, scale=1.0):
+        key[0], k = jax.random.split(key[0])
+        return (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
+
+    def make_weights(L, d, f, fp8):
+        if fp8:
+            w = rnd((L, d, f), jnp.float8_e4m3fn, 8.0)
+            key[0], k = jax.random.split(key[0])
+            s = jax.random.uniform(k, (L, -(-d // 128), -(-f // 128)), jnp.float32, 0.5, 1.5) / (8 * math.sqrt(d))
+            return w, s
+        return rnd((L, d, f), jnp.bfloat16, 1 / math.sqrt(d)), None
+
+    if "ceiling" in sections:
+        n = (1 << 28) if not dry else (1 << 16)
+        a = rnd((n,), jnp.bfloat16)
+        cp = jax.jit(lambda a: a * 1.0001)
+        t, _ = timeit(cp, a)
+        RESULTS["jax_copy"] = {"what": "jax elementwise x*c, read+write", "bytes": 4 * n, "s": t, "TBps": 4 * n / t / 1e12}
+        log("jax copy", RESULTS["jax_copy"])
+        del a
+    ceil_tb = (RESULTS.get("torch_copy") or {}).get("TBps") or (RESULTS.get("jax_copy") or {}).get("TBps") or 1.0
+
+    def layers_for(nbytes):
+        if dry:
+            return 2
+        return int(min(48, max(6, math.ceil(1.5e9 / nbytes))))
+
+    # ---- building blocks ------------------------------------------------------------------
+    def kernel_stack_fn(L, cfg=None):
+        """Python loop over layers; each call reads layer l of the stack in place (inner jit: lowered once)."""
+        @jax.jit
+        def one(x, w, s, l):
+            return gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, cfg=cfg, num_sms=nsm, interpret=interp)
+
+        @jax.jit
+        def f(x, w, s):
+            return jnp.stack([one(x, w, s, jnp.int32(l)) for l in range(L)])
+        return f
+
+    def xla_list_fn(fp8):
+        @jax.jit
+        def f(x, ws, ss):
+            if fp8:
+                return jnp.stack([tpu.decode_matmul_xla(x, w, w_scale=s) for w, s in zip(ws, ss)])
+            return jnp.stack([jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype) for w in ws])
+        return f
+
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(8)
+
+    def precompile(jobs):
+        """[(jitted fn, args)] -> [compiled or exception]: lower here, compile on threads (C++ releases the GIL)."""
+        lowered = []
+        for fn, a in jobs:
+            try:
+                lowered.append(fn.lower(*a))
+            except Exception as e:  # noqa: BLE001
+                lowered.append(e)
+
+        def comp(lo):
+            if isinstance(lo, Exception):
+                return lo
+            try:
+                return lo.compile()
+            except Exception as e:  # noqa: BLE001
+                return e
+        return list(pool.map(comp, lowered))
+
+    def relerr(a, b):
+        a = np.asarray(a, np.float32)
+        b = np.asarray(b, np.float32)
+        if np.isnan(a).any():
+            return float("nan")
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+    def over_budget(what):
+        if time.perf_counter() - T0 > args.budget_s:
+            RESULTS["errors"].append(f"time budget reached: skipped {what}")
+            return True
+        return False
+
+    # ---- 2. sweep --------------------------------------------------------------------------
+    shapes = LLAMA + DSV3 if not dry else [("tiny.a", 256, 384), ("tiny.b", 512, 256)]
+    ts = TS if not dry else (1, 13)
+    if "sweep" in sections:
+        anchored = set()
+        for name, d, f in shapes:
+            for fp8 in (False, True):
+                itemsize = 1 if fp8 else 2
+                bytes_layer = d * f * itemsize + (4 * math.ceil(d / 128) * math.ceil(f / 128) if fp8 else 0)
+                L = layers_for(bytes_layer)
+                w, s = make_weights(L, d, f, fp8)
+                ws = [w[l] for l in range(L)]           # separate arrays for XLA's best arrangement
+                ss = [s[l] for l in range(L)] if fp8 else [None] * L
+                ws = [jnp.array(a, copy=True) for a in ws]
+                jax.block_until_ready(ws)
+                if time.perf_counter() - T0 > args.budget_s:
+                    RESULTS["errors"].append(f"budget reached before {name} fp8={fp8}")
+                    continue
+                xs = {T: rnd((T, d), jnp.bfloat16) for T in ts}
+                xla_f = xla_list_fn(fp8)
+                ker_f = kernel_stack_fn(L)
+                jobs = []
+                for T in ts:
+                    jobs += [(xla_f, (xs[T], ws, ss)), (ker_f, (xs[T], w, s))]
+                comp = precompile(jobs)
+                for ti, T in enumerate(ts):
+                    row = {"shape": name, "D": d, "F": f, "dtype": "fp8-block" if fp8 else "bf16", "T": T,
+                           "L": L, "bytes_per_layer": bytes_layer}
+                    x = xs[T]
+                    cx, ck = comp[2 * ti], comp[2 * ti + 1]
+                    try:
+                        cfg, plan = gpu.plan_for(x, [w], [s], None, nsm if nsm else None)
+                        row["cfg"] = None if cfg is None else [cfg.tile_d, cfg.tile_f, plan.stages, plan.n_ctas, plan.n_slots]
+                        if isinstance(cx, Exception):
+                            raise cx
+                        tx, yx = timeit(cx, x, ws, ss)
+                        row["xla_s_per_layer"] = tx / L
+                        row["xla_TBps"] = bytes_layer * L / tx / 1e12
+                        if isinstance(ck, Exception):
+                            raise ck
+                        tk, yk = timeit(ck, x, w, s)
+                        row["kernel_s_per_layer"] = tk / L
+                        row["kernel_TBps"] = bytes_layer * L / tk / 1e12
+                        row["kernel_frac_ceiling"] = row["kernel_TBps"] / ceil_tb
+                        row["speedup_vs_xla"] = tx / tk
+                        row["relerr_vs_xla"] = relerr(yk, yx)
+                        if (fp8, T) not in anchored and T in (1, 13, 64):
+                            r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
+                            row["relerr_vs_reference"] = relerr(yk[L - 1], r)
+                            anchored.add((fp8, T))
+                    except Exception as e:  # noqa: BLE001 - keep going, record the failure
+                        row["error"] = repr(e)[:500]
+                    RESULTS["rows"].append(row)
+                    log(json.dumps(row))
+                    save(args.out)
+                del w, s, ws, ss
+
+    # ---- 3. layer loops --------------------------------------------------------------------
+    if "loops" in sections and not over_budget("loops"):
+        d, f, L = (4096, 14336, 16) if not dry else (256, 384, 2)
+        w, _ = make_weights(L, d, f, False)
+        ws = [jnp.array(w[l], copy=True) for l in range(L)]
+        bytes_all = L * d * f * 2
+
+        def k1(x, wl):
+            return gpu.decode_matmul_gpu(x, wl, num_sms=nsm, interpret=interp)
+        k1j = jax.jit(k1)
+
+        def kl(x, w, l):
+            return gpu.decode_matmul_gpu(x, w, layer=l, num_sms=nsm, interpret=interp)
+        klj = jax.jit(kl)
+
+        def x1(x, wl):
+            return jnp.dot(x, wl, preferred_element_type=jnp.float32).astype(x.dtype)
+
+        variants = {
+            "kernel.python_loop.separate_arrays": (jax.jit(lambda x, ws: jnp.stack([k1j(x, a) for a in ws])), "list"),
+            "kernel.python_loop.stack_layer_index": (jax.jit(lambda x, w: jnp.stack([klj(x, w, jnp.int32(l)) for l in range(L)])), "stack"),
+            "kernel.fori_loop.stack_layer_index": (jax.jit(lambda x, w: jax.lax.fori_loop(
+                0, L, lambda l, acc: acc.at[l].set(kl(x, w, l)), jnp.zeros((L, x.shape[0], f), x.dtype))), "stack"),
+            "kernel.scan.stacked_xs": (jax.jit(lambda x, w: jax.lax.scan(lambda c, wl: (c, k1(x, wl)), 0, w)[1]), "stack"),
+            "kernel.scan_unroll.stacked_xs": (jax.jit(lambda x, w: jax.lax.scan(lambda c, wl: (c, k1(x, wl)), 0, w, unroll=True)[1]), "stack"),
+            "xla.python_loop.separate_arrays": (jax.jit(lambda x, ws: jnp.stack([x1(x, a) for a in ws])), "list"),
+            "xla.fori_loop.stack_dynamic_index": (jax.jit(lambda x, w: jax.lax.fori_loop(
+                0, L, lambda l, acc: acc.at[l].set(x1(x, w[l])), jnp.zeros((L, x.shape[0], f), x.dtype))), "stack"),
+            "xla.scan.stacked_xs": (jax.jit(lambda x, w: jax.lax.scan(lambda c, wl: (c, x1(x, wl)), 0, w)[1]), "stack"),
+            "xla.scan_unroll.stacked_xs": (jax.jit(lambda x, w: jax.lax.scan(lambda c, wl: (c, x1(x, wl)), 0, w, unroll=True)[1]), "stack"),
+        }
+        only_xla = args.default_flags
+        for T in ((1, 32) if not dry else (1,)):
+            x = rnd((T, d), jnp.bfloat16)
+            base = None
+            for vname, (fn, kind) in variants.items():
+                if only_xla and not vname.startswith("xla."):
+                    continue
+                row = {"variant": vname, "T": T, "L": L, "D": d, "F": f, "flags": RESULTS["xla_flags"]}
+                try:
+                    t, y = timeit(fn, x, ws if kind == "list" else w)
+                    row["s_per_layer"] = t / L
+                    row["TBps"] = bytes_all / t / 1e12
+                    if base is None:
+                        base = y
+                    row["relerr_vs_first"] = relerr(y, base)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:500]
+                RESULTS["loops"].append(row)
+                log(json.dumps(row))
+                save(args.out)
+        del w, ws
+
+    # ---- 6. XLA under default flags (subprocess) -------------------------------------------
+    if "flags" in sections and not args.default_flags and not over_budget("flags"):
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        cmd = [sys.executable, os.path.abspath(__file__), "--sections", "loops", "--default-flags", "--out", ""]
+        if dry:
+            cmd.append("--dry")
+        try:
+            left = args.budget_s + 90 - (time.perf_counter() - T0)
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(30.0, min(240.0, left)))
+            rows = [json.loads(line.split("] ", 1)[1]) for line in p.stdout.splitlines()
+                    if "] {" in line and '"variant"' in line]
+            RESULTS["loops_default_flags"] = rows
+            if p.returncode:
+                RESULTS["errors"].append(p.stderr[-2000:])
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"].append(repr(e))
+        save(args.out)
+
+    # ---- 4. fused gate/up ------------------------------------------------------------------
+    if "fused" in sections and not over_budget("fused"):
+        d, f = (4096, 14336) if not dry else (256, 256)
+        for fp8 in (False, True):
+            itemsize = 1 if fp8 else 2
+            L = layers_for(2 * d * f * itemsize)
+            wg, sg = make_weights(L, d, f, fp8)
+            wu, su = make_weights(L, d, f, fp8)
+            bytes_all = 2 * L * d * f * itemsize
+
+            @jax.jit
+            def fused_one(x, wg, wu, sg, su, l):
+                return gpu.gate_up_silu_gpu(x, wg, wu, gate_scale=sg, up_scale=su, layer=l, num_sms=nsm, interpret=interp)
+
+            @jax.jit
+            def mm_one(x, w, s, l):
+                return gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, num_sms=nsm, interpret=interp)
+
+            fused = jax.jit(lambda x, wg, wu, sg, su: jnp.stack(
+                [fused_one(x, wg, wu, sg, su, jnp.int32(l)) for l in range(L)]))
+            sep = jax.jit(lambda x, wg, wu, sg, su: jnp.stack(
+                [(jax.nn.silu(mm_one(x, wg, sg, jnp.int32(l)).astype(jnp.float32))
+                  * mm_one(x, wu, su, jnp.int32(l)).astype(jnp.float32)).astype(x.dtype) for l in range(L)]))
+            for T in ((1, 32, 64) if not dry else (5,)):
+                x = rnd((T, d), jnp.bfloat16)
+                row = {"T": T, "D": d, "F": f, "dtype": "fp8-block" if fp8 else "bf16", "L": L}
+                try:
+                    t1, y1 = timeit(fused, x, wg, wu, sg, su)
+                    t2, y2 = timeit(sep, x, wg, wu, sg, su)
+                    row.update(fused_TBps=bytes_all / t1 / 1e12, separate_TBps=bytes_all / t2 / 1e12,
+                               relerr=relerr(y1, y2))
+                    r = reference.gate_up_silu_reference(x, wg[0], wu[0], gate_scale=None if sg is None else sg[0],
+                                                         up_scale=None if su is None else su[0])
+                    row["relerr_vs_reference"] = relerr(y1[0], r)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:500]
+                RESULTS["fused"].append(row)
+                log(json.dumps(row))
+                save(args.out)
+            del wg, wu, sg, su
+
+    # ---- 5. tile configurations -------------------------------------------------------------
+    if "tune" in sections and not over_budget("tune"):
+        d, f = (4096, 14336) if not dry else (256, 384)
+        for fp8 in (False, True):
+            itemsize = 1 if fp8 else 2
+            bytes_layer = d * f * itemsize
+            L = layers_for(bytes_layer)
+            w, s = make_weights(L, d, f, fp8)
+            cfgs = [gpu.TileConfig(td, tf, ms, 200 * 1024, cps)
+                    for td, tf, ms, cps in [(64, 128, 8, 1), (128, 128, 8, 1), (256, 128, 8, 1), (128, 64, 8, 1),
+                                            (256, 64, 8, 1), (128, 128, 4, 1), (128, 128, 3, 2), (64, 128, 4, 2)]]
+            if fp8:
+                cfgs = [c for c in cfgs if c.tile_d % 128 == 0]
+            for T in ((8, 64) if not dry else (8,)):
+                x = rnd((T, d), jnp.bfloat16)
+                for cfg in cfgs:
+                    row = {"D": d, "F": f, "T": T, "dtype": "fp8-block" if fp8 else "bf16",
+                           "cfg": dataclass_dict(cfg)}
+                    try:
+                        c, plan = gpu.plan_for(x, [w], [s], cfg, nsm)
+                        if c is None:
+                            row["skip"] = plan
+                        else:
+                            row["plan"] = [plan.stages, plan.n_ctas, plan.n_per, plan.n_slots]
+                            t, _ = timeit(kernel_stack_fn(L, cfg), x, w, s)
+                            row["TBps"] = bytes_layer * L / t / 1e12
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = repr(e)[:500]
+                    RESULTS["tune"].append(row)
+                    log(json.dumps(row))
+                    save(args.out)
+            del w, s
+
+    print_tables()
+    save(args.out)
+
+
+def dataclass_dict(c):
+    import dataclasses
+    return dataclasses.asdict(c)
+
+
+def print_tables():
+    R = RESULTS
+    print("\n== ceilings:", "torch copy", (R.get("torch_copy") or {}).get("TBps"), "TB/s; jax copy",
+          (R.get("jax_copy") or {}).get("TBps"), "TB/s")
+    print("\n== sweep (TB/s of weight bytes): shape dtype T | kernel xla | kernel/ceiling | speedup | relerr")
+    for r in R["rows"]:
+        if "error" in r:
+            print(f"{r['shape']:18s} {r['dtype']:9s} T={r['T']:3d} ERROR {r['error'][:200]}")
+            continue
+        print(f"{r['shape']:18s} {r['dtype']:9s} T={r['T']:3d} | {r['kernel_TBps']:5.2f} {r['xla_TBps']:5.2f} | "
+              f"{r['kernel_frac_ceiling']:5.1%} | x{r['speedup_vs_xla']:4.2f} | {r['relerr_vs_xla']:.1e} cfg={r.get('cfg')}")
+    print("\n== layer loops (TB/s)")
+    for r in R["loops"] + R.get("loops_default_flags", []):
+        print(f"{r['variant']:40s} T={r['T']:3d} {r.get('TBps', float('nan')):5.2f} flags={r['flags']!r} {r.get('error', '')[:120]}")
+    print("\n== fused gate/up (TB/s)")
+    for r in R["fused"]:
+        print(r)
+    print("\n== tune (TB/s)")
+    for r in R["tune"]:
+        print(r.get("T"), r.get("dtype"), r["cfg"], r.get("plan"), r.get("TBps"), r.get("skip", ""), r.get("error", "")[:120])
+    if R["errors"]:
+        print("\nerrors:", R["errors"])
+
+
+if __name__ == "__main__":
+    main()

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "listening (compiles the common programs)")
     eng.add_argument("--fake-engine", action="store_true",
                      help="serve serving.fake_engine (a test double, no model) - for testing the front end only")
+    eng.add_argument("--fake-step-time", type=float, default=0.0, help="seconds per fake engine step")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 
@@ -71,7 +72,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
         kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
                                 ("max_num_batched_tokens", a.max_num_batched_tokens),
                                 ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
-        return fake_served_model(**kw)
+        return fake_served_model(step_time_s=a.fake_step_time, **kw)
     import tbjax
 
     engine_kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens",

@@ -1,0 +1,92 @@
+"""`python -m tbjax.serve` as a user runs it (a subprocess, here with --fake-engine so no model loads):
+loopback by default, prints where it listens, serves, and on SIGTERM drains (the running request
+completes) then exits 0. `python -m serving.client` streams a completion from it."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+from serving.client import Client
+from serving.fake_engine import FakeTokenizer, reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start(*args):
+    p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--port", "0", "--metrics-port", "0",
+                          *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    m = re.search(r"on (\S+):(\d+) \(gRPC tbjax.v1\), metrics on http://(\S+):(\d+)/metrics", line)
+    if not m:
+        p.kill()
+        raise AssertionError(f"no listen line: {line!r} {p.stderr.read()}")
+    return p, m
+
+
+def test_serve_cli_loopback_stream_and_graceful_sigterm():
+    p, m = _start()
+    try:
+        assert m.group(1) == "127.0.0.1" and m.group(3) == "127.0.0.1"   # loopback unless told otherwise
+        target = f"127.0.0.1:{m.group(2)}"
+        # the client CLI streams a completion
+        r = subprocess.run([sys.executable, "-m", "serving.client", "--target", target, "Hello", "--max-tokens", "12",
+                            "--temperature", "0", "--tokens"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        want = reference(FakeTokenizer().encode("Hello"), 12)[0]
+        assert r.stdout.splitlines()[-1] == str(want)
+        assert r.stdout.startswith(FakeTokenizer().decode(want))
+        assert "finish_reason=" in r.stderr
+        # SIGTERM while a request runs: it completes, then the process exits 0
+        with Client(target, timeout=60) as c:
+            stream = c.generate_stream(token_ids=[20, 21], max_tokens=300, ignore_eos=True, temperature=0)
+            first = next(stream)
+            p.send_signal(signal.SIGTERM)
+            rest = list(stream)
+        ids = first.token_ids + [t for ch in rest for t in ch.token_ids]
+        assert ids == reference([20, 21], 300, ignore_eos=True)[0] and rest[-1].finish_reason == "length"
+        assert p.wait(timeout=60) == 0
+        err = p.stderr.read()
+        assert "draining" in err and "stopped" in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_serve_cli_second_signal_stops_at_once():
+    p, m = _start("--drain-timeout", "60", "--fake-step-time", "0.02")
+    try:
+        target = f"127.0.0.1:{m.group(2)}"
+        with Client(target, timeout=60) as c:
+            stream = c.generate_stream(token_ids=[20], max_tokens=500, ignore_eos=True)
+            next(stream)
+            done = threading.Event()
+            errors = []
+
+            def drain():
+                try:
+                    list(stream)
+                except Exception as e:  # noqa: BLE001 - the forced stop cancels the stream
+                    errors.append(e)
+                done.set()
+            t = threading.Thread(target=drain)
+            t.start()
+            p.send_signal(signal.SIGINT)
+            assert not done.wait(0.5)          # draining: the request still runs (500 steps of 20 ms)
+            p.send_signal(signal.SIGINT)
+            assert p.wait(timeout=30) == 0
+            t.join(30)
+            assert done.is_set() and errors    # cut short
+        assert "again: stopping now" in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_serve_cli_rejects_bad_limits():
+    r = subprocess.run([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--max-concurrent-requests", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "max_concurrent_requests" in r.stderr

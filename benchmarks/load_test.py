@@ -1,0 +1,363 @@
+"""Load tool for a tbjax gRPC server (in the spirit of vLLM's / JetStream's benchmark_serving).
+
+Sends synthetic requests (random prompt token ids, exact output lengths via ignore_eos) at a Poisson request
+rate or with a fixed number in flight, streams every response, and reports TTFT, TPOT, ITL and end-to-end
+latency percentiles (p50/p90/p99, mean) and throughput (requests/s, output and total tokens/s).
+
+    # against a running server (python -m tbjax.serve)
+    python benchmarks/load_test.py --target 127.0.0.1:50051 --num-requests 200 --request-rate 8 \\
+        --prompt-len uniform:64:256 --output-len normal:128:32 --out results.json
+    # closed loop: 32 requests in flight
+    python benchmarks/load_test.py --target 127.0.0.1:50051 --concurrency 32 --num-requests 256
+    # start a server in this process first (the default model, or the fake engine to test the tool itself)
+    python benchmarks/load_test.py --spawn model --num-requests 64 --concurrency 16
+    # the same workload straight through the engine, no gRPC (the ceiling the server is compared with)
+    python benchmarks/load_test.py --spawn model --offline --num-requests 64 --concurrency 16
+
+Length distributions: ``N`` (fixed), ``uniform:LO:HI`` (inclusive), ``normal:MEAN:STD`` (rounded, >= 1).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# -- workload ------------------------------------------------------------------------------------------------
+class Dist:
+    """A length distribution: ``dist(rng) -> int >= 1``; ``str(dist)`` is its spec."""
+
+    def __init__(self, spec: str, fn):
+        self.spec, self.fn = spec, fn
+
+    def __call__(self, rng: random.Random) -> int:
+        return self.fn(rng)
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def parse_dist(spec: str) -> Dist:
+    """'128' | 'uniform:LO:HI' | 'normal:MEAN:STD' -> Dist."""
+    return Dist(spec, _dist_fn(spec))
+
+
+def _dist_fn(spec: str):
+    parts = spec.split(":")
+    try:
+        if len(parts) == 1:
+            n = int(parts[0])
+            if n < 1:
+                raise ValueError
+            return lambda rng: n
+        kind, a, b = parts[0], float(parts[1]), float(parts[2])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"bad length distribution {spec!r}: use N, uniform:LO:HI or normal:MEAN:STD")
+    if kind == "uniform":
+        lo, hi = int(a), int(b)
+        if not 1 <= lo <= hi:
+            raise argparse.ArgumentTypeError(f"uniform:{lo}:{hi} needs 1 <= LO <= HI")
+        return lambda rng: rng.randint(lo, hi)
+    if kind == "normal":
+        if b < 0:
+            raise argparse.ArgumentTypeError("normal:MEAN:STD needs STD >= 0")
+        return lambda rng: max(1, round(rng.gauss(a, b)))
+    raise argparse.ArgumentTypeError(f"unknown distribution {kind!r} (fixed N, uniform, normal)")
+
+
+@dataclass
+class Job:
+    index: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float          # offset from the start (open loop); 0 for closed loop
+
+
+def make_workload(n: int, prompt_len, output_len, vocab_size: int, max_context: int, rate: float,
+                  seed: int, min_token_id: int = 0) -> list[Job]:
+    rng = random.Random(seed)
+    jobs, t = [], 0.0
+    for i in range(n):
+        p = prompt_len(rng)
+        o = output_len(rng)
+        if p + o > max_context:   # keep every request servable: trim the prompt first
+            p = max(1, max_context - o)
+            o = min(o, max_context - p)
+        ids = [rng.randrange(min_token_id, vocab_size) for _ in range(p)]
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+        jobs.append(Job(i, ids, o, t if math.isfinite(rate) else 0.0))
+    return jobs
+
+
+# -- measurement ---------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    index: int
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+
+    def pct(q):   # linear interpolation, like numpy's default
+        k = (len(s) - 1) * q
+        f = math.floor(k)
+        c = min(f + 1, len(s) - 1)
+        return s[f] + (s[c] - s[f]) * (k - f)
+    return {"n": len(s), "mean": sum(s) / len(s), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": s[-1]}
+
+
+def summarize(results: list[Result], duration_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "errors": errors,
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "output_token_throughput": out_tok / duration_s if duration_s > 0 else 0.0,
+        "total_token_throughput": (in_tok + out_tok) / duration_s if duration_s > 0 else 0.0,
+        "prompt_tokens": in_tok, "output_tokens": out_tok,
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": percentiles([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl]),
+        "e2e_s": percentiles([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+async def _grpc_one(stub, job: Job, args, t_start: float, sem) -> Result:
+    from serving.api import pb
+
+    if job.arrival_s:
+        await asyncio.sleep(max(0.0, t_start + job.arrival_s - time.perf_counter()))
+    async with sem:
+        req = pb.GenerateRequest(params=pb.SamplingParams(max_tokens=job.max_tokens, temperature=args.temperature,
+                                                          ignore_eos=args.ignore_eos))
+        req.prompt_token_ids.ids.extend(job.prompt_token_ids)
+        res = Result(job.index, False, len(job.prompt_token_ids))
+        t0 = time.perf_counter()
+        last = None
+        try:
+            async for r in stub(req, timeout=args.timeout):
+                now = time.perf_counter()
+                if r.token_ids:
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    res.output_tokens += len(r.token_ids)
+                if r.finish_reason:
+                    res.e2e = now - t0
+                    res.ok = True
+        except Exception as e:  # noqa: BLE001 - every failure is counted, by status
+            code = getattr(e, "code", None)
+            res.error = code().name if callable(code) else type(e).__name__
+        return res
+
+
+async def run_grpc(target: str, jobs: list[Job], args) -> tuple[list[Result], float]:
+    import grpc
+
+    from serving.api import method_path, pb
+
+    channels = [grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+                for _ in range(args.channels)]
+    stubs = [ch.unary_stream(method_path("Generate"), request_serializer=pb.GenerateRequest.SerializeToString,
+                             response_deserializer=pb.GenerateResponse.FromString) for ch in channels]
+    sem = asyncio.Semaphore(args.concurrency if args.concurrency else len(jobs) or 1)
+    t_start = time.perf_counter()
+    results = await asyncio.gather(*[_grpc_one(stubs[j.index % len(stubs)], j, args, t_start, sem) for j in jobs])
+    duration = time.perf_counter() - t_start
+    for ch in channels:
+        await ch.close()
+    return list(results), duration
+
+
+def run_offline(engine, make_params, jobs: list[Job], args) -> tuple[list[Result], float]:
+    """The same workload straight through the engine on this thread (no gRPC, no streaming to clients):
+    requests join when they arrive (open loop) or as slots free up (closed loop)."""
+    limit = args.concurrency or len(jobs)
+    pending = sorted(jobs, key=lambda j: j.arrival_s)
+    live: dict[str, tuple[Result, float, list]] = {}
+    results = []
+    t_start = time.perf_counter()
+    while pending or live:
+        now = time.perf_counter()
+        while pending and len(live) < limit and t_start + pending[0].arrival_s <= now:
+            j = pending.pop(0)
+            rid = f"load-{j.index}"
+            engine.add_request(rid, j.prompt_token_ids, make_params(
+                max_tokens=j.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos))
+            live[rid] = (Result(j.index, False, len(j.prompt_token_ids)), time.perf_counter(), [None])
+        if not engine.has_unfinished():
+            if pending:
+                time.sleep(max(0.0, min(0.01, t_start + pending[0].arrival_s - time.perf_counter())))
+            continue
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            res, t0, last = live[o.request_id]
+            if o.new_token_ids:
+                if last[0] is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last[0])
+                last[0] = now
+                res.output_tokens += len(o.new_token_ids)
+            if o.finished:
+                res.e2e, res.ok = now - t0, True
+                results.append(res)
+                del live[o.request_id]
+    return results, time.perf_counter() - t_start
+
+
+# -- reporting -----------------------------------------------------------------------------------------------
+def print_table(summary: dict, title: str) -> None:
+    print(f"\n== {title} ==")
+    print(f"completed {summary['completed']}  failed {summary['failed']} {summary['errors'] or ''}  "
+          f"duration {summary['duration_s']:.2f} s")
+    print(f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} "
+          f"output tok/s, {summary['total_token_throughput']:.1f} total tok/s")
+    print(f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        p = summary[key]
+        if not p["n"]:
+            print(f"{key[:-2]:<12}{'-':>10}")
+            continue
+        print(f"{key[:-2]:<12}" + "".join(f"{p[k] * 1e3:>10.2f}" for k in ("mean", "p50", "p90", "p99", "max"))
+              + f"{p['n']:>8}")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--target", help="address of a running tbjax server")
+    src.add_argument("--spawn", choices=["model", "fake"], help="start a server in this process first")
+    ap.add_argument("--model", default=None, help="with --spawn model: the model path (default model otherwise)")
+    ap.add_argument("--offline", action="store_true", help="with --spawn: drive the engine directly, no gRPC")
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
+    ap.add_argument("--concurrency", type=int, default=0, help="max requests in flight (0: no limit)")
+    ap.add_argument("--prompt-len", type=parse_dist, default=parse_dist("uniform:32:128"))
+    ap.add_argument("--output-len", type=parse_dist, default=parse_dist("uniform:16:64"))
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                    help="let eos end requests early (output lengths then vary)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--channels", type=int, default=1, help="gRPC channels to spread requests over")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
+    ap.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before measuring")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="with --spawn: engine batch slots")
+    ap.add_argument("--num-pages", type=int, default=None, help="with --spawn: KV pages")
+    ap.add_argument("--fake-step-time", type=float, default=0.0, help="with --spawn fake: seconds per step")
+    ap.add_argument("--out", help="write the results as JSON here")
+    return ap
+
+
+def _spawn_model(a):
+    from serving.model import ServedModel, model_name_for_path
+    if a.spawn == "fake":
+        from serving.fake_engine import fake_served_model
+        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages)) if v is not None}
+        return fake_served_model(step_time_s=a.fake_step_time, **kw)
+    import tbjax
+    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages)) if v is not None}
+    return ServedModel.from_llm(tbjax.LLM(a.model, progress=False, **kw), name=model_name_for_path(a.model))
+
+
+def main(argv=None) -> dict:
+    a = build_parser().parse_args(argv)
+    if a.offline and not a.spawn:
+        raise SystemExit("--offline needs --spawn (the engine must be in this process)")
+    if a.num_requests < 1:
+        raise SystemExit("--num-requests must be >= 1")
+    server = model = None
+    if a.spawn:
+        model = _spawn_model(a)
+        vocab, ctx = model.vocab_size, model.max_context
+        if not a.offline:
+            from serving.limits import Limits
+            from serving.server import ServerThread
+            n = max(a.num_requests, a.warmup, 1)
+            server = ServerThread(model, limits=Limits(max_concurrent_requests=n, max_queued_requests=n,
+                                                       max_tokens=ctx), metrics_port=None).start()
+            target = server.address
+    else:
+        target = a.target
+        from serving.client import Client
+        with Client(target, timeout=30) as c:
+            info = c.model_info()
+        vocab, ctx = info["vocab_size"], info["max_context"]
+    jobs = make_workload(a.num_requests, a.prompt_len, a.output_len, vocab, ctx, a.request_rate, a.seed)
+    warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
+    try:
+        if a.offline:
+            if warm:
+                run_offline(model.engine, model.make_params, warm, a)
+            results, duration = run_offline(model.engine, model.make_params, jobs, a)
+            mode = "offline engine"
+        else:
+            if warm:
+                asyncio.run(run_grpc(target, warm, a))
+            results, duration = asyncio.run(run_grpc(target, jobs, a))
+            mode = f"gRPC {target}"
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarize(results, duration)
+    title = (f"{mode}: {a.num_requests} requests, rate {a.request_rate}, concurrency {a.concurrency or 'unlimited'}")
+    print_table(summary, title)
+    report = {"mode": "offline" if a.offline else "grpc", "target": None if a.offline else target,
+              "config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
+              "summary": summary, "git_commit": _git_commit(), "host": platform.node(),
+              "python": platform.python_version()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {a.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

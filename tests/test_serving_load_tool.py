@@ -1,0 +1,62 @@
+"""benchmarks/load_test.py: workload generation, percentiles (vs numpy), and a short run against the fake
+engine over gRPC and offline whose token counts must equal the workload's."""
+import argparse
+import importlib.util
+import math
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("load_test", os.path.join(ROOT, "benchmarks", "load_test.py"))
+lt = importlib.util.module_from_spec(_spec)
+sys.modules["load_test"] = lt
+_spec.loader.exec_module(lt)
+
+
+def test_percentiles_match_numpy():
+    rng = np.random.default_rng()
+    xs = rng.exponential(size=257).tolist()
+    p = lt.percentiles(xs)
+    for k, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+        assert math.isclose(p[k], float(np.percentile(xs, q)), rel_tol=1e-12)
+    assert math.isclose(p["mean"], float(np.mean(xs))) and p["max"] == max(xs) and p["n"] == 257
+    assert lt.percentiles([]) == {"n": 0}
+
+
+def test_distributions_and_workload():
+    rng = random.Random(0)
+    assert {lt.parse_dist("7")(rng) for _ in range(10)} == {7}
+    u = [lt.parse_dist("uniform:3:5")(rng) for _ in range(300)]
+    assert set(u) == {3, 4, 5}
+    assert min(lt.parse_dist("normal:2:5")(rng) for _ in range(300)) == 1
+    for bad in ("0", "uniform:5:3", "zipf:1:2", "normal:1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            lt.parse_dist(bad)
+    jobs = lt.make_workload(50, lt.parse_dist("uniform:10:40"), lt.parse_dist("uniform:5:30"), 100, 48, 20.0, 1)
+    assert all(len(j.prompt_token_ids) + j.max_tokens <= 48 for j in jobs)
+    assert all(0 <= t < 100 for j in jobs for t in j.prompt_token_ids)
+    arr = [j.arrival_s for j in jobs]
+    assert arr == sorted(arr) and 0.5 < arr[-1] < 10   # Poisson at 20/s: ~2.5 s for 50
+    assert lt.make_workload(3, lt.parse_dist("4"), lt.parse_dist("4"), 100, 48, float("inf"), 1)[2].arrival_s == 0
+
+
+@pytest.mark.parametrize("mode", ["grpc", "offline"])
+def test_short_run_against_fake_engine(mode, tmp_path):
+    out = tmp_path / "r.json"
+    args = ["--spawn", "fake", "--num-requests", "40", "--concurrency", "8", "--prompt-len", "uniform:4:40",
+            "--output-len", "uniform:1:20", "--seed", "5", "--warmup", "1", "--out", str(out)]
+    rep = lt.main(args + (["--offline"] if mode == "offline" else []))
+    s = rep["summary"]
+    jobs = lt.make_workload(40, lt.parse_dist("uniform:4:40"), lt.parse_dist("uniform:1:20"), 259, 512,
+                            float("inf"), 5)
+    assert s["completed"] == 40 and s["failed"] == 0
+    assert s["output_tokens"] == sum(j.max_tokens for j in jobs)
+    assert s["prompt_tokens"] == sum(len(j.prompt_token_ids) for j in jobs)
+    assert s["ttft_s"]["n"] == 40 and s["itl_s"]["n"] == sum(j.max_tokens - 1 for j in jobs)
+    for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert 0 <= s[k]["p50"] <= s[k]["p90"] <= s[k]["p99"] <= s[k]["max"]
+    assert out.exists() and rep["mode"] == mode

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates the Python gRPC code for serving/proto/*.proto.
+# Regenerates the Python gRPC code for serving/proto/*.proto (tbjax_v1: the public API; tbjax_kv_v1: KV transfer
+# between workers).
 #   scripts/gen_proto.sh            writes next to the .proto files (commit the result)
 #   scripts/gen_proto.sh OUT_DIR    writes into OUT_DIR/serving/proto/ (used by tests/test_grpc_proto.py)
 # Pinned generator: grpcio-tools 1.85.1 (its protoc is libprotoc 35.1). Code it generates needs, at import,
@@ -18,5 +19,6 @@ fi
 mkdir -p "$OUT/serving/proto"
 cd "$ROOT"
 # -I . makes the generated grpc module import `serving.proto.tbjax_v1_pb2` (a package path, no sys.path tricks).
-"$PY" -m grpc_tools.protoc -I . --python_out="$OUT" --pyi_out="$OUT" --grpc_python_out="$OUT" serving/proto/tbjax_v1.proto
+"$PY" -m grpc_tools.protoc -I . --python_out="$OUT" --pyi_out="$OUT" --grpc_python_out="$OUT" \
+  serving/proto/tbjax_v1.proto serving/proto/tbjax_kv_v1.proto
 echo "generated into $OUT/serving/proto"

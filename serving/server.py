@@ -115,8 +115,12 @@ class TbjaxServicer:
             self.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)
             n_prompt = len(checked.prompt_token_ids)
             stream = RequestStream(asyncio.get_running_loop(), rid)
+            try:
+                self.engine_loop.submit(rid, checked.prompt_token_ids, params, stream)
+            except EngineStopped as e:
+                outcome = "unavailable"
+                await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
             self._active[rid] = stream
-            self.engine_loop.submit(rid, checked.prompt_token_ids, params, stream)
             submitted = True
             t_admit = t_validated
             t_first = t_last = None

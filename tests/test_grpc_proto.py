@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GENERATED = ("tbjax_v1_pb2.py", "tbjax_v1_pb2.pyi", "tbjax_v1_pb2_grpc.py")
+GENERATED = tuple(f"{m}{suffix}" for m in ("tbjax_v1", "tbjax_kv_v1")
+                  for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def test_generated_code_in_sync(tmp_path):

@@ -1,0 +1,414 @@
+"""KV transfer between workers (prefill -> decode) with a late handshake, over gRPC (tbjax.kv.v1).
+
+Why late: a decode worker's KV pages are its batch size. If it reserved pages when a request arrived, they
+would sit idle for the whole prefill. Here the prefill side calls ``Announce`` only when the request's KV is
+about to be ready; the decode side reserves pages then, for ``timeout_s`` (renewed by every chunk that
+arrives), and the prefill side streams the pages (``PushKV``) in chunks, each encoded by a lossless codec and
+checksummed (zlib.crc32). Everything that can go wrong frees the reservation at once:
+
+- the stream breaks (the prefill process died, the network went) -> freed when the stream ends;
+- the prefill side announces and then never pushes -> freed when the reservation lapses;
+- a chunk's checksum, codec, size or page range is wrong -> DATA_LOSS / INVALID_ARGUMENT, freed;
+- the prefill side gives up -> ``Release``.
+A completed transfer hands the pages to ``on_ready(request_id, page_ids, num_tokens)``; a failed one calls
+``on_failed(request_id, reason)`` so the owner (a decode worker / router) can fail the request (UNAVAILABLE)
+or retry it.
+
+The page store is behind ``PagePool`` (reserve / write / free). ``ArrayPagePool`` is a numpy one for tests and
+for CPU workers; the engine's KV cache implements the same three methods (via its engine thread) when it
+can import pages. Codecs are behind ``Codec``; ``raw`` is built in, the exponent-split codec registers itself
+with ``register_codec`` when present.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import grpc
+import numpy as np
+
+from .api import lenient_deserializer
+from .proto import tbjax_kv_v1_pb2 as kvpb
+
+__all__ = ["Codec", "RawCodec", "register_codec", "CODECS", "PagePool", "ArrayPagePool", "OutOfPages",
+           "KVReceiver", "KVSender", "TransferError", "kv_service_handler", "np_dtype", "KV_SERVICE_NAME"]
+
+log = logging.getLogger(__name__)
+
+KV_SERVICE_NAME = kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name   # "tbjax.kv.v1.KVTransfer"
+
+
+def np_dtype(name: str) -> np.dtype:
+    """numpy dtype from its name, including the ml_dtypes ones (bfloat16, float8_*)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+        t = getattr(ml_dtypes, name, None)
+        if t is None:
+            raise ValueError(f"unknown dtype {name!r}") from None
+        return np.dtype(t)
+
+
+# -- codecs ----------------------------------------------------------------------------------------------------
+class Codec(Protocol):
+    name: str
+
+    def encode(self, pages: np.ndarray) -> bytes: ...
+
+    def decode(self, payload: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+class RawCodec:
+    """No compression: the pages' bytes as they are (C order)."""
+
+    name = "raw"
+
+    def encode(self, pages: np.ndarray) -> bytes:
+        return np.ascontiguousarray(pages).tobytes()
+
+    def decode(self, payload: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape)) * dtype.itemsize
+        if len(payload) != n:
+            raise ValueError(f"raw payload has {len(payload)} bytes, {n} expected for {shape} {dtype}")
+        return np.frombuffer(payload, dtype=dtype).reshape(shape)
+
+
+CODECS: dict[str, Codec] = {"raw": RawCodec()}
+
+
+def register_codec(codec: Codec) -> None:
+    CODECS[codec.name] = codec
+
+
+# -- page pools ------------------------------------------------------------------------------------------------
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool(Protocol):
+    def reserve(self, n: int) -> list[int]: ...          # raises OutOfPages when it cannot
+
+    def write(self, page_ids: Sequence[int], pages: np.ndarray) -> None: ...
+
+    def free(self, page_ids: Sequence[int]) -> None: ...
+
+
+class ArrayPagePool:
+    """A numpy page store ``[P, *page_shape]`` with a free list (tests, CPU workers)."""
+
+    def __init__(self, num_pages: int, page_shape: Sequence[int], dtype="float32"):
+        self.dtype = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        self.data = np.zeros((num_pages, *page_shape), self.dtype)
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    def reserve(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def write(self, page_ids, pages: np.ndarray) -> None:
+        self.data[np.asarray(page_ids)] = pages
+
+    def free(self, page_ids) -> None:
+        dup = set(page_ids) & set(self._free)
+        if dup:
+            raise RuntimeError(f"double free of pages {sorted(dup)[:5]}")
+        self._free.extend(page_ids)
+
+
+# -- decode side -----------------------------------------------------------------------------------------------
+@dataclass
+class _Reservation:
+    id: str
+    request_id: str
+    pages: list[int]
+    num_tokens: int
+    codec: str
+    deadline: float
+    received: np.ndarray
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    streaming: bool = False
+
+
+class KVReceiver:
+    """Decode side of the transfer: the KVTransfer servicer (runs on the server's asyncio loop)."""
+
+    def __init__(self, pool: PagePool, *, page_dtype: str, page_shape: Sequence[int], codecs: Sequence[str] = ("raw",),
+                 timeout_s: float = 10.0, metrics=None,
+                 on_ready: Callable[[str, list[int], int], None] | None = None,
+                 on_failed: Callable[[str, str], None] | None = None):
+        unknown = [c for c in codecs if c not in CODECS]
+        if unknown:
+            raise ValueError(f"unknown codecs {unknown}; registered: {sorted(CODECS)}")
+        self.pool = pool
+        self.dtype = np_dtype(page_dtype)
+        self.page_shape = tuple(int(s) for s in page_shape)
+        self.page_nbytes = int(np.prod(self.page_shape)) * self.dtype.itemsize
+        self.codecs = list(codecs)
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self.on_ready = on_ready
+        self.on_failed = on_failed
+        self._res: dict[str, _Reservation] = {}
+        self._expiry: asyncio.Task | None = None
+        self.num_completed = 0
+        self.num_failed = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+    @property
+    def num_open(self) -> int:
+        return len(self._res)
+
+    @property
+    def pages_reserved(self) -> int:
+        return sum(len(r.pages) for r in self._res.values())
+
+    def _fail(self, res: _Reservation, reason: str) -> None:
+        if self._res.pop(res.id, None) is None:
+            return
+        self.pool.free(res.pages)
+        self.num_failed += 1
+        log.info("KV reservation %s (request %s) freed: %s", res.id, res.request_id, reason)
+        if self.on_failed is not None:
+            self.on_failed(res.request_id, reason)
+
+    def start(self) -> None:
+        """Start the expiry task (call on the serving loop)."""
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        for res in list(self._res.values()):
+            self._fail(res, "receiver stopped")
+
+    async def _expire_loop(self) -> None:
+        period = max(0.01, min(0.5, self.timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for res in list(self._res.values()):
+                if now > res.deadline:
+                    self._fail(res, f"no progress for {self.timeout_s:g} s (peer lost?)")
+
+    # -- RPCs ----------------------------------------------------------------------------------------------
+    async def Announce(self, req, context):
+        if not isinstance(req, kvpb.AnnounceRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse AnnounceRequest: {req.reason}")
+        if req.num_pages < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_pages must be >= 1, got {req.num_pages}")
+        if req.layout.dtype != self.dtype.name or tuple(req.layout.shape) != self.page_shape:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"page layout {req.layout.dtype}{list(req.layout.shape)} does not match this "
+                                f"worker's {self.dtype.name}{list(self.page_shape)}")
+        codec = next((c for c in req.codecs if c in self.codecs), None)
+        if codec is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no common codec: sender has {list(req.codecs)}, receiver {self.codecs}")
+        try:
+            pages = self.pool.reserve(req.num_pages)      # the late reservation
+        except Exception as e:  # noqa: BLE001 - the pool's own out-of-pages error
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve {req.num_pages} KV pages: {e}")
+        rid = uuid.uuid4().hex
+        self._res[rid] = _Reservation(rid, req.request_id, pages, req.num_tokens, codec,
+                                      time.monotonic() + self.timeout_s, np.zeros(req.num_pages, bool))
+        return kvpb.AnnounceResponse(reservation_id=rid, codec=codec, timeout_ms=int(self.timeout_s * 1000))
+
+    async def PushKV(self, request_iterator, context):
+        res: _Reservation | None = None
+        done = False
+        try:
+            async for chunk in request_iterator:
+                if not isinstance(chunk, kvpb.KVChunk):
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse KVChunk: {chunk.reason}")
+                if res is None:
+                    res = self._res.get(chunk.reservation_id)
+                    if res is None:
+                        raise _Abort(grpc.StatusCode.NOT_FOUND,
+                                     f"no open reservation {chunk.reservation_id!r} (expired or released)")
+                    if res.streaming:
+                        res = None
+                        raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "reservation already has a stream")
+                    res.streaming = True
+                elif chunk.reservation_id != res.id:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "one stream carries one reservation")
+                if res.id not in self._res:
+                    raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
+                self._take_chunk(res, chunk)
+                if chunk.last:
+                    if not res.received.all():
+                        missing = np.flatnonzero(~res.received)[:8].tolist()
+                        raise _Abort(grpc.StatusCode.DATA_LOSS, f"last chunk arrived but pages {missing} are missing")
+                    done = True
+                    break
+            if res is None:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty transfer stream")
+            if not done:
+                raise _Abort(grpc.StatusCode.DATA_LOSS, "the stream ended before its last chunk")
+        except _Abort as e:
+            if res is not None:
+                self._fail(res, e.message)
+            await context.abort(e.code, e.message)
+        except BaseException as e:  # stream broken / cancelled: the peer is gone
+            if res is not None:
+                self._fail(res, f"transfer stream broke: {type(e).__name__}: {e}")
+            raise
+        del self._res[res.id]
+        self.num_completed += 1
+        if self.on_ready is not None:
+            self.on_ready(res.request_id, res.pages, res.num_tokens)
+        return kvpb.PushResult(reservation_id=res.id, pages=len(res.pages), raw_bytes=res.raw_bytes,
+                               wire_bytes=res.wire_bytes)
+
+    def _take_chunk(self, res: _Reservation, chunk) -> None:
+        n, first = chunk.num_pages, chunk.first_page
+        if n < 1 or first < 0 or first + n > len(res.pages):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"chunk pages [{first}, {first + n}) outside the {len(res.pages)} announced")
+        if res.received[first:first + n].any():
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk pages [{first}, {first + n}) sent twice")
+        if chunk.codec != res.codec:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk codec {chunk.codec!r}, agreed {res.codec!r}")
+        if zlib.crc32(chunk.payload) != chunk.crc32:
+            raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in chunk at page {first}")
+        if chunk.raw_nbytes != n * self.page_nbytes:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"chunk says {chunk.raw_nbytes} raw bytes, {n} pages are {n * self.page_nbytes}")
+        try:
+            pages = CODECS[res.codec].decode(chunk.payload, self.dtype, (n, *self.page_shape))
+        except Exception as e:  # noqa: BLE001
+            raise _Abort(grpc.StatusCode.DATA_LOSS, f"cannot decode chunk at page {first}: {e}") from None
+        self.pool.write(res.pages[first:first + n], pages)
+        res.received[first:first + n] = True
+        res.raw_bytes += chunk.raw_nbytes
+        res.wire_bytes += len(chunk.payload)
+        res.deadline = time.monotonic() + self.timeout_s     # progress renews the reservation
+        if self.metrics is not None:
+            self.metrics.transfer_raw.inc(chunk.raw_nbytes)
+            self.metrics.transfer_wire.inc(len(chunk.payload))
+
+    async def Release(self, req, context):
+        res = self._res.get(req.reservation_id)
+        if res is None:
+            return kvpb.ReleaseResponse(released=False)
+        self._fail(res, f"released by the sender: {req.reason or 'no reason given'}")
+        return kvpb.ReleaseResponse(released=True)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def kv_service_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
+    """The KVTransfer service for a grpc.aio server: ``server.add_generic_rpc_handlers((handler,))``."""
+    handlers = {
+        "Announce": grpc.unary_unary_rpc_method_handler(
+            receiver.Announce, request_deserializer=lenient_deserializer(kvpb.AnnounceRequest),
+            response_serializer=kvpb.AnnounceResponse.SerializeToString),
+        "PushKV": grpc.stream_unary_rpc_method_handler(
+            receiver.PushKV, request_deserializer=lenient_deserializer(kvpb.KVChunk),
+            response_serializer=kvpb.PushResult.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            receiver.Release, request_deserializer=lenient_deserializer(kvpb.ReleaseRequest),
+            response_serializer=kvpb.ReleaseResponse.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler(KV_SERVICE_NAME, handlers)
+
+
+# -- prefill side ----------------------------------------------------------------------------------------------
+class TransferError(RuntimeError):
+    """The transfer failed; ``code`` is the gRPC status (UNAVAILABLE when the decode worker is gone)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass
+class SendStats:
+    reservation_id: str
+    codec: str
+    pages: int
+    raw_bytes: int
+    wire_bytes: int
+    announce_s: float
+    push_s: float
+    extra: dict = field(default_factory=dict)
+
+
+class KVSender:
+    """Prefill side: ``await send(request_id, pages)`` announces, then streams the pages chunk by chunk."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, codecs: Sequence[str] = ("raw",), chunk_pages: int = 16,
+                 timeout_s: float = 30.0, metrics=None):
+        unknown = [c for c in codecs if c not in CODECS]
+        if unknown:
+            raise ValueError(f"unknown codecs {unknown}; registered: {sorted(CODECS)}")
+        if chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+        self.codecs, self.chunk_pages, self.timeout_s, self.metrics = list(codecs), chunk_pages, timeout_s, metrics
+        p = f"/{KV_SERVICE_NAME}/"
+        self._announce = channel.unary_unary(p + "Announce", request_serializer=kvpb.AnnounceRequest.SerializeToString,
+                                             response_deserializer=kvpb.AnnounceResponse.FromString)
+        self._push = channel.stream_unary(p + "PushKV", request_serializer=kvpb.KVChunk.SerializeToString,
+                                          response_deserializer=kvpb.PushResult.FromString)
+        self._release = channel.unary_unary(p + "Release", request_serializer=kvpb.ReleaseRequest.SerializeToString,
+                                            response_deserializer=kvpb.ReleaseResponse.FromString)
+
+    def chunks(self, reservation_id: str, codec: str, pages: np.ndarray):
+        enc = CODECS[codec]
+        n = pages.shape[0]
+        for first in range(0, n, self.chunk_pages):
+            part = pages[first:first + self.chunk_pages]
+            payload = enc.encode(part)
+            yield kvpb.KVChunk(reservation_id=reservation_id, first_page=first, num_pages=part.shape[0], codec=codec,
+                               raw_nbytes=part.nbytes, payload=payload, crc32=zlib.crc32(payload),
+                               last=first + self.chunk_pages >= n)
+
+    async def send(self, request_id: str, pages: np.ndarray, num_tokens: int = 0) -> SendStats:
+        if pages.ndim < 2 or pages.shape[0] < 1:
+            raise ValueError(f"pages must be [num_pages >= 1, *page_shape], got shape {pages.shape}")
+        t0 = time.perf_counter()
+        try:
+            ann = await self._announce(kvpb.AnnounceRequest(
+                request_id=request_id, num_pages=pages.shape[0], num_tokens=num_tokens,
+                layout=kvpb.PageLayout(dtype=pages.dtype.name, shape=list(pages.shape[1:])), codecs=self.codecs),
+                timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise TransferError(e.code(), f"announce of {request_id!r} failed: {e.details()}") from None
+        t1 = time.perf_counter()
+        try:
+            result = await self._push(self.chunks(ann.reservation_id, ann.codec, pages), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise TransferError(e.code(), f"transfer of {request_id!r} failed: {e.details()}") from None
+        except BaseException:
+            try:   # our side failed (cancelled, encoder error): tell the decode side now, do not wait for its timeout
+                await asyncio.shield(self._release(kvpb.ReleaseRequest(reservation_id=ann.reservation_id,
+                                                                       reason="sender failed"), timeout=5))
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        if self.metrics is not None:
+            self.metrics.transfer_raw.inc(result.raw_bytes)
+            self.metrics.transfer_wire.inc(result.wire_bytes)
+        return SendStats(ann.reservation_id, ann.codec, result.pages, result.raw_bytes, result.wire_bytes,
+                         t1 - t0, time.perf_counter() - t1)

@@ -1,0 +1,85 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PageLayout(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AnnounceRequest(_message.Message):
+    __slots__ = ("request_id", "num_pages", "num_tokens", "layout", "codecs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_pages: int
+    num_tokens: int
+    layout: PageLayout
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AnnounceResponse(_message.Message):
+    __slots__ = ("reservation_id", "codec", "timeout_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    codec: str
+    timeout_ms: int
+    def __init__(self, reservation_id: _Optional[str] = ..., codec: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("reservation_id", "first_page", "num_pages", "codec", "raw_nbytes", "payload", "crc32", "last")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    first_page: int
+    num_pages: int
+    codec: str
+    raw_nbytes: int
+    payload: bytes
+    crc32: int
+    last: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class PushResult(_message.Message):
+    __slots__ = ("reservation_id", "pages", "raw_bytes", "wire_bytes")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    pages: int
+    raw_bytes: int
+    wire_bytes: int
+    def __init__(self, reservation_id: _Optional[str] = ..., pages: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("reservation_id", "reason")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    reason: str
+    def __init__(self, reservation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

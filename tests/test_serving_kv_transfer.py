@@ -1,0 +1,178 @@
+"""KV transfer with a late handshake (serving/kv_transfer.py) over real loopback gRPC: pages arrive
+bit-exact; pages are reserved only at Announce; bad checksums, wrong layouts, missing pages, a silent peer
+and a killed sender process all free the reservation (quickly, or within the timeout) and report failure."""
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from serving.kv_transfer import ArrayPagePool, KVReceiver, KVSender, TransferError, kv_service_handler
+from serving.metrics import ServerMetrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE_SHAPE = (3, 4, 2, 8)     # [L, G, 2K, H], tiny
+DTYPE = "bfloat16"
+
+
+@contextlib.asynccontextmanager
+async def receiver_server(num_pages=32, timeout_s=5.0, **kw):
+    pool = ArrayPagePool(num_pages, PAGE_SHAPE, DTYPE)
+    events = {"ready": [], "failed": []}
+    metrics = ServerMetrics("decode")
+    rx = KVReceiver(pool, page_dtype=DTYPE, page_shape=PAGE_SHAPE, timeout_s=timeout_s, metrics=metrics,
+                    on_ready=lambda r, p, n: events["ready"].append((r, p, n)),
+                    on_failed=lambda r, why: events["failed"].append((r, why)), **kw)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((kv_service_handler(rx),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    rx.start()
+    try:
+        yield f"127.0.0.1:{port}", pool, rx, events, metrics
+    finally:
+        await rx.stop()
+        await server.stop(0)
+
+
+def random_pages(n, rng):
+    bits = rng.integers(0, 1 << 16, size=(n, *PAGE_SHAPE), dtype=np.uint16)   # any bit pattern, NaNs included
+    return bits.view(ml_dtypes.bfloat16)
+
+
+async def _wait(cond, timeout):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("n_pages,chunk_pages", [(1, 1), (7, 3), (20, 16)])
+def test_roundtrip_bit_exact_and_late_reservation(n_pages, chunk_pages):
+    rng = np.random.default_rng()
+    pages = random_pages(n_pages, rng)
+
+    async def main():
+        async with receiver_server() as (addr, pool, rx, ev, metrics), grpc.aio.insecure_channel(addr) as ch:
+            pool.data.view(np.uint16)[:] = 0xFFFF     # poison
+            assert pool.num_free == 32 and rx.num_open == 0     # nothing reserved before the announce
+            st = await KVSender(ch, chunk_pages=chunk_pages).send("req-1", pages, num_tokens=n_pages * 4 - 1)
+            assert st.pages == n_pages and st.raw_bytes == st.wire_bytes == pages.nbytes
+            (rid, ids, ntok), = ev["ready"]
+            assert rid == "req-1" and ntok == n_pages * 4 - 1 and len(set(ids)) == n_pages
+            assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
+            assert pool.num_free == 32 - n_pages     # handed over to the decode side, not freed
+            assert rx.num_open == 0 and not ev["failed"]
+            assert metrics.transfer_raw._value.get() == pages.nbytes
+    asyncio.run(main())
+
+
+def test_bad_checksum_frees_reservation():
+    class Corrupting(KVSender):
+        def chunks(self, *a):
+            for i, c in enumerate(super().chunks(*a)):
+                if i == 1:
+                    c.payload = bytes([c.payload[0] ^ 1]) + c.payload[1:]
+                yield c
+
+    async def main():
+        async with receiver_server() as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+            with pytest.raises(TransferError) as e:
+                await Corrupting(ch, chunk_pages=2).send("r", random_pages(6, np.random.default_rng()))
+            assert e.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.message
+            assert pool.num_free == 32 and rx.num_open == 0 and ev["failed"][0][0] == "r"
+    asyncio.run(main())
+
+
+def test_missing_pages_and_refusals():
+    class Skipping(KVSender):
+        def chunks(self, *a):
+            cs = list(super().chunks(*a))
+            yield from cs[:1] + cs[2:]
+
+    async def main():
+        async with receiver_server(num_pages=8) as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+            rng = np.random.default_rng()
+            with pytest.raises(TransferError) as e:
+                await Skipping(ch, chunk_pages=2).send("r1", random_pages(6, rng))
+            assert e.value.code == grpc.StatusCode.DATA_LOSS and "missing" in e.value.message
+            with pytest.raises(TransferError) as e:       # more than the pool holds
+                await KVSender(ch).send("r2", random_pages(9, rng))
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(TransferError) as e:       # another layout
+                await KVSender(ch).send("r3", np.zeros((2, 3, 4, 2, 9), ml_dtypes.bfloat16))
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "layout" in e.value.message
+            assert pool.num_free == 8 and rx.num_open == 0
+            st = await KVSender(ch).send("r4", random_pages(8, rng))    # and the pool still works
+            assert st.pages == 8 and pool.num_free == 0
+    asyncio.run(main())
+
+
+def test_silent_peer_reservation_lapses_within_timeout():
+    async def main():
+        async with receiver_server(timeout_s=0.3) as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+            sender = KVSender(ch)
+            from serving.proto import tbjax_kv_v1_pb2 as kvpb
+            ann = await sender._announce(kvpb.AnnounceRequest(
+                request_id="ghost", num_pages=5, layout=kvpb.PageLayout(dtype=DTYPE, shape=list(PAGE_SHAPE)),
+                codecs=["raw"]))
+            assert pool.num_free == 27 and rx.num_open == 1
+            t0 = time.monotonic()
+            assert await _wait(lambda: rx.num_open == 0, 2.0)
+            assert 0.25 < time.monotonic() - t0 < 1.5 and pool.num_free == 32
+            assert ev["failed"] == [("ghost", ev["failed"][0][1])] and "no progress" in ev["failed"][0][1]
+            with pytest.raises(grpc.aio.AioRpcError) as e:     # a late push finds nothing
+                await sender._push(iter(list(sender.chunks(ann.reservation_id, "raw", random_pages(5, np.random.default_rng())))))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    asyncio.run(main())
+
+
+SENDER_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys, zlib
+    import grpc, ml_dtypes, numpy as np
+    from serving.kv_transfer import KVSender
+    from serving.proto import tbjax_kv_v1_pb2 as kvpb
+    addr, shape = sys.argv[1], (3, 4, 2, 8)
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            s = KVSender(ch, chunk_pages=2)
+            pages = np.zeros((10, *shape), ml_dtypes.bfloat16)
+            ann = await s._announce(kvpb.AnnounceRequest(request_id="doomed", num_pages=10,
+                layout=kvpb.PageLayout(dtype="bfloat16", shape=list(shape)), codecs=["raw"]))
+            async def gen():
+                for i, c in enumerate(s.chunks(ann.reservation_id, "raw", pages)):
+                    yield c
+                    if i == 1:
+                        print("SENT2", flush=True)
+                        await asyncio.sleep(0.5)
+                        os._exit(3)          # killed mid-transfer
+            await s._push(gen())
+    asyncio.run(main())
+""")
+
+
+def test_killed_sender_process_frees_reservation():
+    async def main():
+        async with receiver_server(timeout_s=3.0) as (addr, pool, rx, ev, _):
+            p = await asyncio.create_subprocess_exec(sys.executable, "-c", SENDER_SCRIPT, addr, cwd=ROOT,
+                                                     stdout=asyncio.subprocess.PIPE)
+            line = await asyncio.wait_for(p.stdout.readline(), 60)
+            assert line.strip() == b"SENT2"
+            assert rx.num_open == 1 and pool.num_free == 22       # 10 reserved, 2 chunks in
+            assert await p.wait() == 3
+            t0 = time.monotonic()
+            assert await _wait(lambda: rx.num_open == 0, 4.0), "reservation not freed within the timeout"
+            assert pool.num_free == 32 and ev["failed"][0][0] == "doomed" and not ev["ready"]
+            return time.monotonic() - t0
+    freed_after = asyncio.run(main())
+    assert freed_after < 3.5

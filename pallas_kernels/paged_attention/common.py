@@ -18,6 +18,10 @@ POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) + FP8_DTYPES
 Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+class Unsupported(ValueError):
+  """A kernel cannot handle this shape/dtype; the dispatcher falls back to the reference (with a warning)."""
+
+
 def is_fp8(dtype) -> bool:
   return jnp.dtype(dtype) in FP8_DTYPES
 

@@ -39,11 +39,11 @@ from . import common
 
 ROWS = 64  # wgmma M
 LOG2E = math.log2(math.e)
+SENTINEL_PAGE = 1 << 20  # logical page of unused sparse-selection entries: its positions are >= any kv_len
 M_INIT = -1e30  # finite start for the running max (log2 domain): empty programs stay NaN-free
 
 
-class Unsupported(ValueError):
-  """The kernel cannot handle this shape/dtype; the dispatcher falls back to the reference."""
+Unsupported = common.Unsupported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +174,9 @@ def _kernel(cfg: KernelConfig, *refs):
     return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
 
   def logical_page(idx):
+    """Logical page of selection entry idx; entries past the count map far beyond kv_len (masked)."""
     if cfg.sparse:
-      return lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)]
+      return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
     return idx
 
   kdst = kq_smem if cfg.fp8 else k_smem

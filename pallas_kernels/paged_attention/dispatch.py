@@ -1,0 +1,106 @@
+"""One entry point per operation that picks the implementation by platform, overridable, with fallback.
+
+impl: "auto" (Mosaic GPU on Hopper GPUs, Mosaic TPU on TPUs, the jnp reference elsewhere), "reference",
+"gpu", "tpu", "gpu_interpret", "tpu_interpret" (the kernels run by the Pallas interpreters on CPU, for tests).
+A kernel that cannot handle a shape/dtype raises `Unsupported` while tracing; the dispatcher then logs a
+warning naming the reason and runs the reference instead. Bad input (wrong shapes/dtypes) is not a fallback
+case: it raises from the shared checks before any implementation is chosen.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from . import common, gpu, reference, tpu
+
+log = logging.getLogger("pallas_kernels.paged_attention")
+IMPLS = ("auto", "reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
+
+
+def _platform_impl() -> str:
+  backend = jax.default_backend()
+  if backend == "gpu":
+    try:
+      cc = getattr(jax.devices()[0], "compute_capability", "0")
+      if float(cc) >= 9.0:
+        return "gpu"
+    except Exception:  # noqa: BLE001 - unknown device kinds use the reference
+      pass
+    return "reference"
+  if backend == "tpu":
+    return "tpu"
+  return "reference"
+
+
+def resolve_impl(impl: str) -> str:
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  return _platform_impl() if impl == "auto" else impl
+
+
+def _fallback(name, impl, err, fn):
+  log.warning("paged attention: %s kernel (%s) cannot run this call (%s); using the jnp reference", impl, name,
+              err)
+  return fn()
+
+
+def paged_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
+                           sliding_window=None, kv_scales_PK=None, impl="auto"):
+  """Decode attention: one query per sequence (q_SNH [S, N, H]) at position kv_len - 1 -> [S, N, H]."""
+  common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK, soft_cap=soft_cap,
+                      sliding_window=sliding_window)
+  which = resolve_impl(impl)
+  kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_scales_PK=kv_scales_PK)
+  ref = lambda: reference.paged_decode_attention_reference(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, **kw)
+  if which == "reference":
+    return ref()
+  try:
+    if which.startswith("gpu"):
+      return gpu.paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
+                                            interpret=which.endswith("interpret"), **kw)
+    return tpu.paged_decode_attention_tpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
+                                          interpret=which.endswith("interpret"), **kw)
+  except common.Unsupported as err:
+    return _fallback("decode", which, err, ref)
+
+
+def paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None, soft_cap=None,
+                    sliding_window=None, kv_scales_PK=None, impl="auto", max_q_len=None):
+  """Ragged paged attention over a page pool (see reference.py for the exact semantics) -> [T, N, H].
+
+  max_q_len: optional static bound on tokens per sequence; max_q_len == 1 routes to the decode kernel.
+  """
+  S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
+                                            kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
+  which = resolve_impl(impl)
+  kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_scales_PK=kv_scales_PK)
+  if max_q_len == 1:
+    return _decode_from_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, impl=which, **kw)
+  ref = lambda: reference.paged_attention_reference(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
+                                                    cu_q_lens_S1, **kw)
+  if which == "reference":
+    return ref()
+  try:
+    if which.startswith("gpu"):
+      return gpu.paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
+                                     interpret=which.endswith("interpret"), **kw)
+    return tpu.paged_attention_tpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
+                                   interpret=which.endswith("interpret"), **kw)
+  except common.Unsupported as err:
+    return _fallback("ragged", which, err, ref)
+
+
+def _decode_from_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, impl, **kw):
+  """Ragged call with at most one query per sequence: gather those rows, run decode, scatter back."""
+  T = q_TNH.shape[0]
+  S = kv_lens_S.shape[0]
+  q_lens = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
+  has_q = q_lens > 0
+  row_S = jnp.clip(cu_q_lens_S1[:-1], 0, T - 1)
+  q_SNH = q_TNH[row_S]
+  lens = jnp.where(has_q, kv_lens_S, 0)
+  out_SNH = paged_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, lens, impl=impl, **kw)
+  out = jnp.zeros_like(q_TNH)
+  return out.at[jnp.where(has_q, row_S, T)].set(out_SNH, mode="drop")

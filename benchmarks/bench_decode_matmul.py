@@ -37,7 +37,8 @@ LLAMA = [("llama8b.qkv", 4096, 6144), ("llama8b.o", 4096, 4096), ("llama8b.gate_
 DSV3 = [("dsv3.expert_up", 7168, 2048), ("dsv3.expert_down", 2048, 7168)]
 TS = (1, 8, 32, 64, 128)
 T0 = time.perf_counter()
-RESULTS: dict = {"rows": [], "loops": [], "fused": [], "tune": [], "errors": []}
+RESULTS: dict = {"rows": [], "loops": [], "fused": [], "tune": [], "smoke": [], "errors": []}
+OUT_NAME = "bench_decode_matmul.json"
 
 
 def log(*a):
@@ -46,7 +47,7 @@ def log(*a):
 
 def save(out_dir):
     if out_dir:
-        with open(os.path.join(out_dir, "bench_decode_matmul.json"), "w") as fh:
+        with open(os.path.join(out_dir, OUT_NAME), "w") as fh:
             json.dump(RESULTS, fh, indent=1, default=str)
 
 
@@ -84,8 +85,13 @@ def main():
     ap.add_argument("--sections", default="ceiling,sweep,loops,fused,tune,flags")
     ap.add_argument("--default-flags", action="store_true", help="don't set the library's XLA flags")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting sweep rows after this")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="weight dtypes for sweep/fused/tune")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
+    dtypes = [dt == "fp8" for dt in args.dtypes.split(",")]   # [False]=bf16, [True]=fp8
+    global OUT_NAME
+    OUT_NAME = f"bench_decode_matmul{('_' + args.tag) if args.tag else ''}.json"
     if args.dry:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from pallas_kernels.matmul.flags import merged_xla_flags
@@ -163,6 +169,18 @@ def main():
             return jnp.stack([one(x, w, s, jnp.int32(l)) for l in range(L)])
         return f
 
+    def kernel_only_fn(L, cfg=None):
+        """The kernel alone (x pre-padded, partials returned unreduced): no pad/epilogue XLA ops."""
+        @jax.jit
+        def one(xp, w, s, l):
+            return gpu.raw_partials(xp, [w], [s], layer=l, cfg=cfg, num_sms=nsm, interpret=interp,
+                                    x_padded=True)[0]
+
+        @jax.jit
+        def f(xp, w, s):
+            return tuple(one(xp, w, s, jnp.int32(l)) for l in range(L))
+        return f
+
     def xla_list_fn(fp8):
         @jax.jit
         def f(x, ws, ss):
@@ -205,13 +223,37 @@ def main():
             return True
         return False
 
+    # ---- 1b. smoke: fp8 without scales, per-channel, block (in this order: a crash names its kind) --
+    if "smoke" in sections:
+        d, f, T = (4096, 4096, 8) if not dry else (256, 384, 5)
+        for kind in ("none", "channel", "block", "bf16"):
+            row = {"kind": kind, "D": d, "F": f, "T": T}
+            try:
+                x = rnd((T, d), jnp.bfloat16)
+                if kind == "bf16":
+                    w, s = rnd((d, f), jnp.bfloat16, 1 / math.sqrt(d)), None
+                else:
+                    w = rnd((d, f), jnp.float8_e4m3fn, 8.0)
+                    s = {"none": None,
+                         "channel": jnp.full((f,), 1 / (8 * math.sqrt(d)), jnp.float32),
+                         "block": jnp.full((-(-d // 128), -(-f // 128)), 1 / (8 * math.sqrt(d)), jnp.float32)}[kind]
+                y = jax.jit(lambda x, w, s: gpu.decode_matmul_gpu(x, w, w_scale=s, num_sms=nsm, interpret=interp))(x, w, s)
+                r = reference.decode_matmul_reference(x, w, w_scale=s)
+                row["relerr_vs_reference"] = relerr(y, r)
+                row["nan"] = int(np.isnan(np.asarray(y, np.float32)).sum())
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+            RESULTS["smoke"].append(row)
+            log(json.dumps(row))
+            save(args.out)
+
     # ---- 2. sweep --------------------------------------------------------------------------
     shapes = LLAMA + DSV3 if not dry else [("tiny.a", 256, 384), ("tiny.b", 512, 256)]
     ts = TS if not dry else (1, 13)
     if "sweep" in sections:
         anchored = set()
         for name, d, f in shapes:
-            for fp8 in (False, True):
+            for fp8 in dtypes:
                 itemsize = 1 if fp8 else 2
                 bytes_layer = d * f * itemsize + (4 * math.ceil(d / 128) * math.ceil(f / 128) if fp8 else 0)
                 L = layers_for(bytes_layer)
@@ -224,17 +266,19 @@ def main():
                     RESULTS["errors"].append(f"budget reached before {name} fp8={fp8}")
                     continue
                 xs = {T: rnd((T, d), jnp.bfloat16) for T in ts}
+                xps = {T: jnp.pad(xs[T], ((0, gpu.padded_t(T) - T), (0, 0))) for T in ts}
                 xla_f = xla_list_fn(fp8)
                 ker_f = kernel_stack_fn(L)
+                kon_f = kernel_only_fn(L)
                 jobs = []
                 for T in ts:
-                    jobs += [(xla_f, (xs[T], ws, ss)), (ker_f, (xs[T], w, s))]
+                    jobs += [(xla_f, (xs[T], ws, ss)), (ker_f, (xs[T], w, s)), (kon_f, (xps[T], w, s))]
                 comp = precompile(jobs)
                 for ti, T in enumerate(ts):
                     row = {"shape": name, "D": d, "F": f, "dtype": "fp8-block" if fp8 else "bf16", "T": T,
                            "L": L, "bytes_per_layer": bytes_layer}
                     x = xs[T]
-                    cx, ck = comp[2 * ti], comp[2 * ti + 1]
+                    cx, ck, co = comp[3 * ti:3 * ti + 3]
                     try:
                         cfg, plan = gpu.plan_for(x, [w], [s], None, nsm if nsm else None)
                         row["cfg"] = None if cfg is None else [cfg.tile_d, cfg.tile_f, plan.stages, plan.n_ctas, plan.n_slots]
@@ -251,6 +295,12 @@ def main():
                         row["kernel_frac_ceiling"] = row["kernel_TBps"] / ceil_tb
                         row["speedup_vs_xla"] = tx / tk
                         row["relerr_vs_xla"] = relerr(yk, yx)
+                        if not isinstance(co, Exception):
+                            to, _ = timeit(co, xps[T], w, s)
+                            row["kernel_only_s_per_layer"] = to / L
+                            row["kernel_only_TBps"] = bytes_layer * L / to / 1e12
+                        else:
+                            row["kernel_only_error"] = repr(co)[:300]
                         if (fp8, T) not in anchored and T in (1, 13, 64):
                             r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
                             row["relerr_vs_reference"] = relerr(yk[L - 1], r)
@@ -337,7 +387,7 @@ def main():
     # ---- 4. fused gate/up ------------------------------------------------------------------
     if "fused" in sections and not over_budget("fused"):
         d, f = (4096, 14336) if not dry else (256, 256)
-        for fp8 in (False, True):
+        for fp8 in dtypes:
             itemsize = 1 if fp8 else 2
             L = layers_for(2 * d * f * itemsize)
             wg, sg = make_weights(L, d, f, fp8)
@@ -378,17 +428,17 @@ def main():
     # ---- 5. tile configurations -------------------------------------------------------------
     if "tune" in sections and not over_budget("tune"):
         d, f = (4096, 14336) if not dry else (256, 384)
-        for fp8 in (False, True):
+        for fp8 in dtypes:
             itemsize = 1 if fp8 else 2
             bytes_layer = d * f * itemsize
             L = layers_for(bytes_layer)
             w, s = make_weights(L, d, f, fp8)
             cfgs = [gpu.TileConfig(td, tf, ms, 200 * 1024, cps)
                     for td, tf, ms, cps in [(64, 128, 8, 1), (128, 128, 8, 1), (256, 128, 8, 1), (128, 64, 8, 1),
-                                            (256, 64, 8, 1), (128, 128, 4, 1), (128, 128, 3, 2), (64, 128, 4, 2)]]
+                                            (128, 128, 4, 1), (128, 128, 3, 2), (64, 128, 4, 2)]]
             if fp8:
                 cfgs = [c for c in cfgs if c.tile_d % 128 == 0]
-            for T in ((8, 64) if not dry else (8,)):
+            for T in ((8, 64) if not (dry or fp8) else (8,)):
                 x = rnd((T, d), jnp.bfloat16)
                 for cfg in cfgs:
                     row = {"D": d, "F": f, "T": T, "dtype": "fp8-block" if fp8 else "bf16",
@@ -427,10 +477,14 @@ def print_tables():
             print(f"{r['shape']:18s} {r['dtype']:9s} T={r['T']:3d} ERROR {r['error'][:200]}")
             continue
         print(f"{r['shape']:18s} {r['dtype']:9s} T={r['T']:3d} | {r['kernel_TBps']:5.2f} {r['xla_TBps']:5.2f} | "
-              f"{r['kernel_frac_ceiling']:5.1%} | x{r['speedup_vs_xla']:4.2f} | {r['relerr_vs_xla']:.1e} cfg={r.get('cfg')}")
+              f"{r['kernel_frac_ceiling']:5.1%} | x{r['speedup_vs_xla']:4.2f} | {r['relerr_vs_xla']:.1e} cfg={r.get('cfg')}"
+              f" | kernel-only {r.get('kernel_only_TBps', float('nan')):5.2f}")
     print("\n== layer loops (TB/s)")
     for r in R["loops"] + R.get("loops_default_flags", []):
         print(f"{r['variant']:40s} T={r['T']:3d} {r.get('TBps', float('nan')):5.2f} flags={r['flags']!r} {r.get('error', '')[:120]}")
+    print("\n== smoke")
+    for r in R["smoke"]:
+        print(r)
     print("\n== fused gate/up (TB/s)")
     for r in R["fused"]:
         print(r)

@@ -69,17 +69,16 @@ class Plan:
     n_slots: int
     stages: int
     slot_mask: tuple   # [n_slots][f_tiles] bools: was partial (slot, tile) written
+    scale_win: int     # block scales: F-blocks (multiple of 4) of the scale window each CTA loads once
+    scale_cols: int    # block scales: columns of the (padded to a multiple of 4) scale array
 
 
 def padded_t(t: int) -> int:
     return max(8, -(-t // 8) * 8)
 
 
-def _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize, block_scaled):
-    x_b = tp * tile_d * 2
-    w_b = n_mats * tile_d * tile_f * w_itemsize
-    s_b = n_mats * (tile_d // BLOCK) * 4 * 4 if block_scaled else 0
-    return x_b + w_b + s_b
+def _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize):
+    return tp * tile_d * 2 + n_mats * tile_d * tile_f * w_itemsize
 
 
 def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, block_scaled: bool,
@@ -95,14 +94,24 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, block_scaled
     last = [((j + 1) * k_steps - 1) // n_per for j in range(f_tiles)]
     n_slots = max(l - fi + 1 for fi, l in zip(first, last))
     mask = tuple(tuple(s <= last[j] - first[j] for j in range(f_tiles)) for s in range(n_slots))
+    scale_cols = -(-(-(-f // BLOCK)) // 4) * 4
+    scale_win = 0
+    if block_scaled:
+        for c in range(n_ctas):
+            jf = (c * n_per) // k_steps
+            jl = (min((c + 1) * n_per, n_total) - 1) // k_steps
+            scale_win = max(scale_win, (jl * tile_f + tile_f - 1) // BLOCK - (jf * tile_f) // BLOCK + 1)
+        scale_win = min(-(-scale_win // 4) * 4, scale_cols)
     fixed = n_mats * tile_f * tp * 4                              # out staging
     if w_itemsize == 1:
         fixed += n_mats * tile_d * tile_f * 2                     # bf16 dequant buffers
-    per_stage = _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize, block_scaled)
+    if block_scaled:
+        fixed += n_mats * (-(-d // BLOCK)) * scale_win * 4 + 1024  # scale windows (+ alignment)
+    per_stage = _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize)
     budget = min(cfg.smem_budget, SMEM_LIMIT // cfg.ctas_per_sm) - fixed
     stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
     return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
-                n_slots, stages, mask)
+                n_slots, stages, mask, scale_win, scale_cols)
 
 
 def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
@@ -172,7 +181,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     w_tr = _tiled(min(p.tile_f, 128 // w_item) * w_item, w_item)
     deq_tr = _tiled(64 * 2, 2)
     n_per, n_total, k_steps = p.n_per, p.n_total, p.k_steps
-    rows_per_block = p.tile_d // BLOCK
+    dk = -(-p.d // BLOCK)
 
     def body(x_gmem, *refs):
         if stacked:
@@ -182,8 +191,20 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
         w_gmems = refs[:M]
         s_gmems = refs[M:2 * M] if block_scaled else ()
         rest = refs[2 * M:] if block_scaled else refs[M:]
-        p_gmem, out_smem, *deq_smems = rest   # one bf16 dequant buffer per matrix (fp8 only)
+        p_gmem, out_smem, *rest = rest
+        deq_smems = rest[:M] if fp8 else ()          # one bf16 dequant buffer per matrix
+        s_wins = rest[M:2 * M] if fp8 else ()        # block scales: this CTA's scale window per matrix
         c = lax.axis_index("cta")
+        if block_scaled:
+            # Load once the [Dk, scale_win] window of F-blocks this CTA's run touches (TMA needs
+            # 128-byte aligned SMEM, so no tiny per-step scale tiles).
+            fb0 = jnp.minimum(lax.div(lax.div(c * n_per, k_steps) * p.tile_f, BLOCK),
+                              p.scale_cols - p.scale_win)
+            s_bar = rest[2 * M]
+            for m in range(M):
+                plgpu.copy_gmem_to_smem(s_gmems[m].at[:, pl.ds(fb0, p.scale_win)], s_wins[m], s_bar.at[m])
+            for m in range(M):
+                plgpu.barrier_wait(s_bar.at[m])
 
         def coords(i):
             g = c * n_per + i
@@ -201,21 +222,14 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
         def fb_of(j):  # the F scale block of F tile j
             return lax.div(j * p.tile_f, BLOCK)
 
-        def s_map(i):
-            _, j, k = coords(i)
-            return (k, lax.div(fb_of(j), 4))
-
         in_specs = [plgpu.BlockSpec((p.tp, p.tile_d), x_map, transforms=x_tr)]
         in_specs += [plgpu.BlockSpec((p.tile_d, p.tile_f), w_map, transforms=w_tr)] * M
-        if block_scaled:
-            in_specs += [plgpu.BlockSpec((rows_per_block, 4), s_map)] * M
 
         def step(idx, x_smem, *smems_and_carry):
             (i,) = idx
             *smems, accs = smems_and_carry
             g, j, k = coords(i)
             w_smems = smems[:M]
-            s_smems = smems[M:]
             x_t = x_smem.transpose((1, 0))
             new_accs = []
             for m in range(M):
@@ -227,7 +241,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                         v = w_smems[m].at[rows][...].astype(jnp.float32)
                         if block_scaled:
                             # one scale per 128x128 block; tile_f <= 128 (checked by unsupported_reason)
-                            sc = s_smems[m][(r * 64) // BLOCK, lax.rem(fb_of(j), 4)]
+                            sc = s_wins[m][k * (p.tile_d // BLOCK) + (r * 64) // BLOCK, fb_of(j) - fb0]
                             v = v * sc
                         dst.at[rows][...] = v.astype(jnp.bfloat16)
                     plgpu.commit_smem()
@@ -255,12 +269,15 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
         plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=p.stages,
-                            init_carry=zeros)(x_gmem, *w_gmems, *s_gmems)
+                            init_carry=zeros)(x_gmem, *w_gmems)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((M, p.tile_f, p.tp), jnp.float32)]
     if fp8:
         scratch += [plgpu.SMEM((p.tile_d, p.tile_f), jnp.bfloat16, transforms=deq_tr) for _ in range(M)]
+        if block_scaled:
+            scratch += [plgpu.SMEM((dk, p.scale_win), jnp.float32) for _ in range(M)]
+            scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=M))
     kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     return plgpu.kernel(
         body,
@@ -334,12 +351,11 @@ def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | Non
     return cfg, plan
 
 
-def partial_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
-                     num_sms: int | None = None, interpret: bool = False):
-    """Runs the kernel: float32 y[M, T, F] = x @ w_m (block scales applied; per-channel ones not).
+def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
+                 num_sms: int | None = None, interpret: bool = False, x_padded: bool = False):
+    """The kernel alone: (float32 partials P[M, slots, F, Tp], plan). For benchmarks and tests.
 
-    ws: M weights [D, F] of one dtype, or M stacked weights [L, D, F] with `layer` an int32
-    scalar (may be traced): then layer `layer` is read in place.
+    x_padded: x already has Tp rows (zeros past T); then no pad op is emitted.
     """
     t = x_TD.shape[0]
     stacked, d, f, block_scaled = _split(ws, scales)
@@ -348,22 +364,39 @@ def partial_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = N
     cfg, plan = plan_for(x_TD, ws, scales, cfg, num_sms)
     if cfg is None:
         raise ValueError(f"decode matmul kernel can't take these operands: {plan}")
+    if x_padded and t != plan.tp:
+        raise ValueError(f"x_padded=True but x has {t} rows, kernel wants Tp={plan.tp}")
     x_pad = x_TD if plan.tp == t else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
     args = [x_pad]
     if stacked:
         args.append(jnp.asarray(layer, jnp.int32).reshape(1))
     args += list(ws)
     if block_scaled:
-        for sc in scales:  # the scale tile is [tile_d/128, 4] float32: pad F blocks to a multiple of 4
+        for sc in scales:  # TMA needs 16-byte rows: pad the F blocks to a multiple of 4
             fk = sc.shape[-1]
             if fk % 4:
                 pad = [(0, 0)] * (sc.ndim - 1) + [(0, 4 - fk % 4)]
                 sc = jnp.pad(sc, pad, constant_values=1.0)
             args.append(sc)
-    part = _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args)  # [M, S, F, Tp]
+    return _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
+
+
+def reduce_partials(part, plan: Plan, t: int):
+    """Sum the written slots of P[M, slots, F, Tp] (a static mask) -> float32 y[M, t, F]."""
     mask = np.repeat(np.asarray(plan.slot_mask, bool), plan.tile_f, axis=1)          # [S, F]
     y = jnp.where(mask[None, :, :, None], part, 0.0).sum(axis=1)                     # [M, F, Tp]
     return jnp.swapaxes(y, 1, 2)[:, :t, :]
+
+
+def partial_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
+                     num_sms: int | None = None, interpret: bool = False):
+    """Runs the kernel: float32 y[M, T, F] = x @ w_m (block scales applied; per-channel ones not).
+
+    ws: M weights [D, F] of one dtype, or M stacked weights [L, D, F] with `layer` an int32
+    scalar (may be traced): then layer `layer` is read in place.
+    """
+    part, plan = raw_partials(x_TD, ws, scales, layer=layer, cfg=cfg, num_sms=num_sms, interpret=interpret)
+    return reduce_partials(part, plan, x_TD.shape[0])
 
 
 def _channel_scale(y_TF, scale, layer):

@@ -460,6 +460,8 @@ def main():
 
     print_tables()
     save(args.out)
+    if any("error" in r or r.get("nan") for r in RESULTS["smoke"]):
+        sys.exit(3)
 
 
 def dataclass_dict(c):

@@ -48,7 +48,9 @@ def main():
             logits = model(torch.tensor([ids])).logits[0].float().numpy()
             arrays[f"last_logits_{p_i}"] = logits[-1]
             arrays[f"subset_logits_{p_i}"] = logits[:, subset]
-            out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+            # explicit all-ones mask: the pad id (2) is also <|im_end|>, which chat prompts contain
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=GREEDY_TOKENS, do_sample=False,
                                  eos_token_id=None, pad_token_id=tok.eos_token_id)
             meta["greedy"].append(out[0, len(ids):].tolist())
     for s in TOKENIZER_STRINGS:

@@ -8,3 +8,33 @@ import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.fixture(scope="session")
+def hf_ref():
+    """transformers' own outputs on the default model (see scripts/make_hf_reference.py)."""
+    with open(os.path.join(DATA, "smollm2_hf_reference.json")) as f:
+        meta = json.load(f)
+    return meta, dict(np.load(os.path.join(DATA, "smollm2_hf_reference.npz")))
+
+
+@pytest.fixture(scope="session")
+def smollm_f32():
+    """(spec, params, tokenizer) of the default model in float32, loaded once per test session."""
+    from tbjax.weights import load_model
+    return load_model(None, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_f32):
+    """An LLM over the default model in float32 with a small engine, shared by the tests that generate."""
+    from tbjax.llm import LLM
+    spec, params, tok = smollm_f32
+    return LLM.from_parts(spec, params, tok, num_pages=256, max_num_seqs=8, max_num_batched_tokens=64)

@@ -1,0 +1,72 @@
+"""Device-resident KV page pools, one per layer, owned by the cache (layout, dtype, scales) rather than the model.
+
+Layout per layer: pages [P, G, 2K, H] with K and V interleaved on the kv-head axis (index 2k = K of kv head k,
+2k+1 = V), so one copy of a page brings both; fp8 pools (e4m3fn / e5m2) carry float32 scales [P, 2K]
+(per page, per kv head, per K/V), raised and requantized by the write kernel as new tokens arrive.
+Page ids are per dp rank; page 0 of each rank is the null page that padding block-table entries point to.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tbjax.spec import ModelSpec
+
+KV_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float8_e4m3fn": jnp.float8_e4m3fn,
+             "float8_e5m2": jnp.float8_e5m2, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+             "fp8_e5m2": jnp.float8_e5m2, "bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheConfig:
+    num_pages: int            # per dp rank, including the null page
+    page_size: int = 16
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"kv cache dtype {self.dtype!r} not supported; choose one of {sorted(KV_DTYPES)}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (one is the null page), got {self.num_pages}")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(KV_DTYPES[self.dtype])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.jnp_dtype.itemsize == 1
+
+
+def bytes_per_token(spec: ModelSpec, dtype) -> int:
+    """KV bytes one token occupies over all layers (scales excluded)."""
+    return spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * jnp.dtype(KV_DTYPES.get(dtype, dtype)).itemsize
+
+
+def init_kv_cache(spec: ModelSpec, cfg: KVCacheConfig):
+    """List over layers of (pages_PGKH, scales_PK or None), zero-filled."""
+    if spec.mla is not None:
+        raise NotImplementedError("paged MLA latent cache is not wired into the engine yet")
+    shape = (cfg.num_pages, cfg.page_size, 2 * spec.n_kv_heads, spec.head_dim)
+
+    def one():
+        pages = jnp.zeros(shape, cfg.jnp_dtype)
+        scales = jnp.zeros((cfg.num_pages, 2 * spec.n_kv_heads), jnp.float32) if cfg.is_fp8 else None
+        return pages, scales
+    return [one() for _ in range(spec.n_layers)]
+
+
+def auto_num_pages(spec: ModelSpec, page_size: int, dtype: str, params_bytes: int, fraction: float = 0.85) -> int:
+    """Pages that fit in the device memory left after the weights (CPU: a fixed 16k-token pool)."""
+    dev = jax.devices()[0]
+    per_page = bytes_per_token(spec, dtype) * page_size
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return max(2, 16384 // page_size + 1)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = int(free * fraction) - 2 * params_bytes // max(spec.n_layers, 1)  # headroom for activations
+    return max(2, budget // per_page)

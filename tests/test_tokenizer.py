@@ -1,0 +1,50 @@
+"""Tokenizer ids and chat template against transformers' tokenizer (stored reference), and vocab checks."""
+import pytest
+
+from tbjax.tokenizer import TextTokenizer, TokenizerError
+
+
+def test_ids_equal_transformers(hf_ref, smollm_f32):
+    meta, _ = hf_ref
+    tok = smollm_f32[2]
+    for s, ids in meta["tokenizer"].items():
+        assert tok.encode(s) == ids, s
+        if s:
+            assert tok.decode(ids, skip_special_tokens=False) == s
+    for p, ids in zip(meta["prompts"], meta["prompt_ids"]):
+        assert tok.encode(p) == ids
+
+
+def test_chat_template_renders_like_transformers(hf_ref, smollm_f32):
+    meta, _ = hf_ref
+    assert smollm_f32[2].apply_chat_template(meta["chat"], add_generation_prompt=True) == meta["chat_rendered"]
+    with pytest.raises(TokenizerError, match="'role' and 'content'"):
+        smollm_f32[2].apply_chat_template([{"text": "hi"}])
+
+
+def test_tokenizer_vocab_must_match_model(smollm_f32):
+    spec, _, tok = smollm_f32
+    tok.check_model_vocab(spec.vocab_size)
+    with pytest.raises(TokenizerError, match="do not belong together"):
+        tok.check_model_vocab(32000)
+    with pytest.raises(TokenizerError, match="do not belong together"):
+        tok.check_model_vocab(128256)
+    with pytest.raises(TokenizerError, match="out of vocabulary"):
+        tok.decode([1, spec.vocab_size + 5])
+
+
+def test_tokenizer_from_dir_and_errors(tmp_path, smollm_f32):
+    tok = smollm_f32[2]
+    tok.tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "chat_template": "{{ messages[0].content }}"}')
+    t2 = TextTokenizer.from_dir(str(tmp_path))
+    assert t2.encode("Hello, world!") == tok.encode("Hello, world!")
+    assert t2.eos_token_ids == (2,)
+    assert t2.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        TextTokenizer.from_dir(str(tmp_path / "missing"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text("{broken")
+    with pytest.raises(TokenizerError, match="cannot parse"):
+        TextTokenizer.from_dir(str(bad))

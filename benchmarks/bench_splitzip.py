@@ -117,7 +117,7 @@ def main():
     x = kv_like(jax.random.key(0), n)
     x.block_until_ready()
     res["codebook"] = list(cb.exponents)
-    res["window"] = cb.window() is not None
+    res["codebook_is_range"] = cb.range_perm() is not None
     chunk = args.chunk
     geo = Geometry(n, chunk)
     nch, w = geo.num_chunks, geo.lanes
@@ -182,13 +182,12 @@ def main():
         f = lambda x: dispatch._encode_device(x, cb=cb, chunk=chunk, impl="jnp", capacity=cap,
                                               cap_rows=cap_rows, opts=())
         row("encode", "jnp", "xla fused + nonzero", timeit(f, x, iters=args.iters))
-    enc_variants = [("window", 1, 16), ("window", 2, 16), ("window", 4, 16), ("chain", 1, 16),
-                    ("window", 1, 8)]
+    enc_variants = [("range", 1, 16), ("range", 2, 16), ("chain", 1, 16)]
     good_enc = []
     if "gpu" in impls:
         for lookup, group, slots in enc_variants:
             name = f"lookup={lookup} group={group} slots={slots}"
-            if lookup == "window" and cb.window() is None:
+            if lookup == "range" and cb.range_perm() is None:
                 continue
             try:
                 opts = dict(lookup=lookup, group=group, slots=slots)
@@ -214,8 +213,10 @@ def main():
 
         # the dense kernel without the in-kernel escape listing (diagnostic: cost of the slot loop)
         try:
-            kern = gpu.encode_kernel(nch, w, cb, slots=0, interpret=interp)
-            row("encode_dense", "gpu", "lookup=auto group=1 slots=0", timeit(jax.jit(kern), u3, iters=args.iters))
+            for lookup in ("range", "chain"):
+                kern = gpu.encode_kernel(nch, w, cb, lookup=lookup, slots=0, interpret=interp)
+                row("encode_dense", "gpu", f"lookup={lookup} group=1 slots=0",
+                    timeit(jax.jit(kern), u3, iters=args.iters))
         except Exception as e:  # noqa: BLE001
             res["errors"]["encode gpu slots=0"] = traceback.format_exc()[-3000:]
 
@@ -229,7 +230,7 @@ def main():
         del y
         row("decode", "jnp", "xla fused select tree", timeit(f, *args_dec, iters=args.iters))
     if "gpu" in impls:
-        for lut, group in [("swar", 1), ("swar", 2), ("swar", 4), ("select", 1)]:
+        for lut, group in [("swar", 1), ("swar", 2), ("select", 1)]:
             name = f"lut={lut} group={group}"
             try:
                 o = tuple(sorted(dict(lut=lut, group=group).items()))

@@ -63,25 +63,19 @@ class Codebook:
         t[self.array] = np.arange(NUM_CODES, dtype=np.int32)
         return t
 
-    def window(self):
-        """(lo, planes, member) when all exponents fit in [lo, lo + 28), else None.
+    def range_perm(self):
+        """(lo, perm) when the exponents are exactly lo .. lo+15 (the usual case for KV), else None.
 
-        planes[b] bit r = bit b of the code of exponent lo + r, pre-shifted left by b; member bit r =
-        1 when lo + r is in the codebook. The kernels use them to compute a code with shifts and
-        masks instead of 16 compares.
+        perm[r] is the code of exponent lo + r; kernels then compute a code as perm[e - lo], a
+        16-entry lookup done four at a time in the bytes of a 32-bit word.
         """
-        lo, hi = min(self.exponents), max(self.exponents)
-        if hi - lo >= 28:
+        lo = min(self.exponents)
+        if max(self.exponents) - lo != NUM_CODES - 1:
             return None
-        planes = [0, 0, 0, 0]
-        member = 0
+        perm = [0] * NUM_CODES
         for code, e in enumerate(self.exponents):
-            r = e - lo
-            member |= 1 << r
-            for b in range(4):
-                if code >> b & 1:
-                    planes[b] |= 1 << (r + b)
-        return lo, tuple(planes), member
+            perm[e - lo] = code
+        return lo, tuple(perm)
 
     # --- calibration --------------------------------------------------------------------------
     @classmethod

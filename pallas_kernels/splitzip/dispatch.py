@@ -142,7 +142,7 @@ def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int = DEFAUL
     Returns an Encoded whose arrays live on the device for device impls (escape arrays padded to a
     static capacity; `n_esc` is exact) and on the host for impl="numpy". allow_raw=False keeps the
     split format even when it is larger than raw (tests). Kernel options (GPU):
-    lookup="window"|"chain", slots=int, group=int.
+    lookup="auto"|"range"|"chain", slots=int, group=int.
     """
     spec = _check_x(x)
     chunk = check_chunk(chunk)
@@ -201,7 +201,7 @@ def _decode_device(sm_words, code_words, counts, esc_pos, esc_val, n_esc, *, cb,
     else:
         kern = tpu.decode_kernel(nch, w, cb, interpret=impl == "tpu_interpret")
         u = kern(sm_words.reshape(2 * nch, w), code_words.reshape(nch, w)).reshape(-1)
-    u = reference.apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, spec, chunk)
+    u = reference.apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, sm_words, spec, chunk)
     return reference.from_bits(u, spec, shape, geo.n)
 
 

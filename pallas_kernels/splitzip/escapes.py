@@ -5,8 +5,8 @@ inside Mosaic GPU ones, so both kernel families only count escapes per chunk (th
 lists up to `slots` escaped lanes per chunk); the ordering and placement of the escapes is done here,
 with static capacities and explicit overflow reporting:
 
-  * chunks whose escaped lanes fit in the kernel's slots: expand slots (lane, row mask) to positions,
-    sort each chunk's few candidates;
+  * chunks whose escaped lanes fit in the kernel's slots: expand slots (lane, row mask) to positions
+    in position order and rank them with a prefix count;
   * other chunks with escapes (too many escaped lanes, or a kernel with no slots): a second pass
     over their raw bits, at most `cap_rows` such chunks;
   * exclusive prefix sum of the counts, scatter positions into a stream of `capacity` slots, gather
@@ -45,20 +45,24 @@ def escape_stream(u_ckw, counts, lanes_hit, slots, cb: Codebook, *, capacity: in
     gp_out = jnp.zeros((capacity,), jnp.int32)
 
     if nslot:
+        # Candidates in (row, slot) order = position order (slots are in lane order); their rank
+        # among the valid ones is a prefix count, done as one small exact matmul (0/1 values, f32
+        # accumulation) instead of a sort or a scan.
         t = jnp.arange(nslot, dtype=jnp.int32)
-        ok = (t[None, :] < lanes_hit[:, None]) & ~second[:, None]
+        ok = (t[None, :] < lanes_hit[:, None]) & ~second[:, None]            # [nch, S]
         lane = slots >> 8
         mask = slots & 0xFF
         k = jnp.arange(ROWS, dtype=jnp.int32)
-        bit = ((mask[:, :, None] >> k[None, None, :]) & 1) == 1
-        pos = k[None, None, :] * w + lane[:, :, None]
-        cand = jnp.where(ok[:, :, None] & bit, pos, BIG).reshape(nch, nslot * ROWS)
-        cand = jnp.sort(cand, axis=1)
-        j = jnp.arange(nslot * ROWS, dtype=jnp.int32)
-        valid = (j[None, :] < counts[:, None]) & ~second[:, None]
-        dst = excl[:, None] + j[None, :]
+        bit = ((mask[:, None, :] >> k[None, :, None]) & 1) == 1               # [nch, 8, S]
+        valid = (ok[:, None, :] & bit).reshape(nch, ROWS * nslot)
+        pos = (k[None, :, None] * w + lane[:, None, :]).reshape(nch, ROWS * nslot)
+        a = jnp.arange(ROWS * nslot)
+        upper = (a[:, None] < a[None, :]).astype(jnp.bfloat16)
+        rank = jnp.dot(valid.astype(jnp.bfloat16), upper,
+                       preferred_element_type=jnp.float32).astype(jnp.int32)
+        dst = excl[:, None] + rank
         dst = jnp.where(valid & (dst < capacity), dst, capacity)
-        gp = jnp.arange(nch, dtype=jnp.int32)[:, None] * chunk + cand
+        gp = jnp.arange(nch, dtype=jnp.int32)[:, None] * chunk + pos
         gp_out = gp_out.at[dst.reshape(-1)].set(gp.reshape(-1), mode="drop")
 
     n_second = jnp.sum(second.astype(jnp.int32))

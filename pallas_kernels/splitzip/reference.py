@@ -207,24 +207,42 @@ def dense_decode_jnp(sm_words, code_words, spec: DtypeSpec, cb: Codebook, geo: G
     return u.reshape(-1)
 
 
-def apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, spec: DtypeSpec, chunk: int):
-    """Write the raw exponents of the escapes into u[n_pad] (uint32 or the element uint type).
+def escape_chunk_ids(counts, cap: int):
+    """Chunk index of every escape slot s < sum(counts) (garbage beyond): the largest chunk whose
+    first slot is <= s. A scatter-max of chunk ids at each chunk's first slot, then a running max."""
+    counts = counts.astype(jnp.int32)
+    nch = counts.shape[0]
+    excl = jnp.cumsum(counts) - counts
+    first = jnp.zeros((cap,), jnp.int32).at[excl].max(jnp.arange(nch, dtype=jnp.int32), mode="drop")
+    return jax.lax.cummax(first)
 
-    Escape slot s belongs to the chunk c with incl[c-1] <= s < incl[c] (incl = cumsum(counts)).
+
+def apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, sm_words, spec: DtypeSpec, chunk: int):
+    """Write the escaped elements into u[n_pad] (uint32 or the element uint type), in place.
+
+    The new value is rebuilt from the sm stream (not read back from u), so XLA can update u in place
+    instead of copying it.
     """
     cap = esc_pos.shape[0]
     if cap == 0:
         return u
     n_pad = u.shape[0]
-    incl = jnp.cumsum(counts.astype(jnp.int32))
+    w = chunk // ROWS
+    ch = escape_chunk_ids(counts, cap)
+    p = esc_pos.astype(jnp.int32)
+    k, i = p // w, p % w
     s = jnp.arange(cap, dtype=jnp.int32)
-    ch = jnp.searchsorted(incl, s, side="right").astype(jnp.int32)
-    gp = ch * chunk + esc_pos.astype(jnp.int32)
-    valid = (s < n_esc) & (ch < counts.shape[0])
-    gp_safe = jnp.where(valid, gp, 0)
-    cur = u[gp_safe].astype(jnp.uint32)
-    new = (cur & ~jnp.uint32(spec.exp_mask)) | (esc_val.astype(jnp.uint32) << spec.exp_shift)
-    idx = jnp.where(valid, gp, n_pad)
+    valid = s < n_esc
+    smw = sm_words.reshape(-1)
+    if spec.bits == 16:
+        word = smw[jnp.where(valid, (ch * 2 + k // 4) * w + i, 0)].astype(jnp.uint32)
+        sm = (word >> (8 * (k % 4)).astype(jnp.uint32)) & 0xFF
+    else:
+        word = smw[jnp.where(valid, ch * w + i, 0)].astype(jnp.uint32)
+        sm = (word >> (3 * k).astype(jnp.uint32)) & 0x7
+    new = ((sm >> spec.man_bits) << spec.sign_shift) | (esc_val.astype(jnp.uint32) << spec.exp_shift) | (
+        sm & ((1 << spec.man_bits) - 1))
+    idx = jnp.where(valid, ch * chunk + p, n_pad)
     return u.at[idx].set(new.astype(u.dtype), mode="drop", unique_indices=True, indices_are_sorted=True)
 
 
@@ -240,5 +258,5 @@ def decode_jnp_arrays(sm_words, code_words, counts, esc_pos, esc_val, n_esc, *, 
     spec = DTYPES[dtype]
     geo = Geometry(int(np.prod(shape, dtype=np.int64)) if shape else 1, chunk)
     u = dense_decode_jnp(sm_words, code_words, spec, cb, geo)
-    u = apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, spec, chunk)
+    u = apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, sm_words, spec, chunk)
     return from_bits(u, spec, shape, geo.n)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .codebook import Codebook
-from .gpu import _code_chain, _code_window, _lut_swar
+from .gpu import _lut_swar, encode_rows, resolve_lookup
 from .layout import ROWS
 
 
@@ -33,31 +33,15 @@ def encode_kernel(nch: int, lanes: int, cb: Codebook, *, lookup: str = "auto", i
     """(bits uint16[nch*8, W]) -> (sm_words u32[2*nch, W], code_words u32[nch, W], counts i32[nch, 128])."""
     if cb.dtype != "bfloat16":
         raise ValueError("splitzip tpu kernels handle bfloat16 only")
-    if lookup == "auto":
-        lookup = "window" if cb.window() is not None else "chain"
-    code_fn = _code_window if lookup == "window" else _code_chain
+    lookup = resolve_lookup(cb, lookup)
     g = _group(nch)
 
     def body(x_ref, smw_ref, cw_ref, cnt_ref):
         x = x_ref[...].astype(jnp.uint32).reshape(g, ROWS, lanes)
-        cw = smw0 = smw1 = cnt = None
-        for k in range(ROWS):
-            u = x[:, k, :]
-            e = (u >> 7) & jnp.uint32(0xFF)
-            s = ((u >> 8) & jnp.uint32(0x80)) | (u & jnp.uint32(0x7F))
-            code, esc = code_fn(e, cb)
-            ck = code << (4 * k)
-            cw = ck if cw is None else cw | ck
-            sk = s << (8 * (k % 4))
-            if k < 4:
-                smw0 = sk if smw0 is None else smw0 | sk
-            else:
-                smw1 = sk if smw1 is None else smw1 | sk
-            ek = esc.astype(jnp.int32)
-            cnt = ek if cnt is None else cnt + ek
+        cw, smw0, smw1, _, cnt = encode_rows([x[:, k, :] for k in range(ROWS)], cb, lookup)
         cw_ref[...] = cw
         smw_ref[...] = jnp.stack([smw0, smw1], axis=1).reshape(2 * g, lanes)
-        cnt_ref[...] = jnp.broadcast_to(jnp.sum(cnt, axis=1, keepdims=True), (g, 128))
+        cnt_ref[...] = jnp.broadcast_to(jnp.sum(cnt.astype(jnp.int32), axis=1, keepdims=True), (g, 128))
 
     return pl.pallas_call(
         body, grid=(nch // g,),
@@ -82,8 +66,8 @@ def decode_kernel(nch: int, lanes: int, cb: Codebook, *, interpret: bool = False
         cw = cw_ref[...]
         smw = smw_ref[...].reshape(g, 2, lanes)
         s0, s1 = smw[:, 0, :], smw[:, 1, :]
-        e_lo = _lut_swar(cw & jnp.uint32(0x0F0F0F0F), cb)
-        e_hi = _lut_swar((cw >> 4) & jnp.uint32(0x0F0F0F0F), cb)
+        e_lo = _lut_swar(cw & jnp.uint32(0x0F0F0F0F), cb.exponents)
+        e_hi = _lut_swar((cw >> 4) & jnp.uint32(0x0F0F0F0F), cb.exponents)
         rows = []
         for k in range(ROWS):
             ew = e_lo if k % 2 == 0 else e_hi

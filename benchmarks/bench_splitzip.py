@@ -250,6 +250,22 @@ def main():
                 print(f"ERROR decode gpu {name}: {e!r}"[:2000], flush=True)
                 save()
 
+    # --- dense kernels at twice the chunk (diagnostic: more work per program) ------------------
+    if "gpu" in impls and n % (2 * chunk) == 0:
+        try:
+            nch2, w2 = nch // 2, 2 * w
+            u3b = u3.reshape(nch2, ROWS, w2)
+            kern = gpu.encode_kernel(nch2, w2, cb, slots=16, interpret=interp)
+            row("encode_dense", "gpu", f"chunk={2 * chunk} lookup=auto slots=16",
+                timeit(jax.jit(kern), u3b, iters=args.iters))
+            smw2 = jnp.zeros((nch2, 2, w2), jnp.uint32)
+            cw2 = jnp.zeros((nch2, w2), jnp.uint32)
+            kern = jax.jit(gpu.decode_kernel(nch2, w2, cb, lut="swar", interpret=interp))
+            row("decode_dense", "gpu", f"chunk={2 * chunk} lut=swar", timeit(kern, smw2, cw2, iters=args.iters))
+            del u3b, smw2, cw2
+        except Exception as e:  # noqa: BLE001
+            res["errors"]["chunk x2"] = traceback.format_exc()[-3000:]
+
     # --- edge cases on the device (small, chunk 1024) -------------------------------------------
     if "gpu" in impls:
         try:

@@ -226,7 +226,7 @@ def main():
     # ---- 1b. smoke: fp8 without scales, per-channel, block (in this order: a crash names its kind) --
     if "smoke" in sections:
         d, f, T = (4096, 4096, 8) if not dry else (256, 384, 5)
-        for kind in ("none", "channel", "block", "bf16"):
+        for kind in os.environ.get("SMOKE_KINDS", "none,channel,block,bf16").split(","):
             row = {"kind": kind, "D": d, "F": f, "T": T}
             try:
                 x = rnd((T, d), jnp.bfloat16)
@@ -407,7 +407,7 @@ def main():
             sep = jax.jit(lambda x, wg, wu, sg, su: jnp.stack(
                 [(jax.nn.silu(mm_one(x, wg, sg, jnp.int32(l)).astype(jnp.float32))
                   * mm_one(x, wu, su, jnp.int32(l)).astype(jnp.float32)).astype(x.dtype) for l in range(L)]))
-            for T in ((1, 32, 64) if not dry else (5,)):
+            for T in (tuple(int(v) for v in os.environ.get("FUSED_TS", "1,32,64").split(",")) if not dry else (5,)):
                 x = rnd((T, d), jnp.bfloat16)
                 row = {"T": T, "D": d, "F": f, "dtype": "fp8-block" if fp8 else "bf16", "L": L}
                 try:
@@ -427,36 +427,47 @@ def main():
 
     # ---- 5. tile configurations -------------------------------------------------------------
     if "tune" in sections and not over_budget("tune"):
-        d, f = (4096, 14336) if not dry else (256, 384)
-        for fp8 in dtypes:
-            itemsize = 1 if fp8 else 2
-            bytes_layer = d * f * itemsize
-            L = layers_for(bytes_layer)
-            w, s = make_weights(L, d, f, fp8)
-            cfgs = [gpu.TileConfig(td, tf, ms, 200 * 1024, cps)
-                    for td, tf, ms, cps in [(64, 128, 8, 1), (128, 128, 8, 1), (256, 128, 8, 1), (128, 64, 8, 1),
-                                            (128, 128, 4, 1), (128, 128, 3, 2), (64, 128, 4, 2)]]
-            if fp8:
-                cfgs = [c for c in cfgs if c.tile_d % 128 == 0]
-            for T in ((8, 64) if not (dry or fp8) else (8,)):
-                x = rnd((T, d), jnp.bfloat16)
-                for cfg in cfgs:
-                    row = {"D": d, "F": f, "T": T, "dtype": "fp8-block" if fp8 else "bf16",
-                           "cfg": dataclass_dict(cfg)}
-                    try:
+        tune_shapes = [("llama8b.qkv", 4096, 6144), ("llama8b.gate_up", 4096, 28672)] if not dry else [("tiny", 256, 512)]
+        for name, d, f in tune_shapes:
+            for fp8 in dtypes:
+                if over_budget(f"tune {name}"):
+                    break
+                itemsize = 1 if fp8 else 2
+                bytes_layer = d * f * itemsize
+                L = layers_for(bytes_layer)
+                w, s = make_weights(L, d, f, fp8)
+                cfgs = [None] + [gpu.TileConfig(td, tf, ms, bud, cps) for td, tf, ms, bud, cps in
+                                 [(128, 256, 8, 200 * 1024, 1), (64, 256, 8, 200 * 1024, 1),
+                                  (128, 128, 3, 200 * 1024, 2), (64, 128, 12, 216 * 1024, 1)]]
+                jobs, rows = [], []
+                for T in ((8, 64) if not dry else (8,)):
+                    x = rnd((T, d), jnp.bfloat16)
+                    for cfg in cfgs:
+                        row = {"shape": name, "D": d, "F": f, "T": T, "dtype": "fp8-block" if fp8 else "bf16",
+                               "cfg": None if cfg is None else dataclass_dict(cfg)}
                         c, plan = gpu.plan_for(x, [w], [s], cfg, nsm)
                         if c is None:
                             row["skip"] = plan
-                        else:
-                            row["plan"] = [plan.stages, plan.n_ctas, plan.n_per, plan.n_slots]
-                            t, _ = timeit(kernel_stack_fn(L, cfg), x, w, s)
-                            row["TBps"] = bytes_layer * L / t / 1e12
+                            RESULTS["tune"].append(row)
+                            continue
+                        row["plan"] = [c.tile_d, c.tile_f, plan.stages, plan.n_ctas, plan.n_per, plan.n_slots]
+                        rows.append((row, x))
+                        jobs.append((kernel_stack_fn(L, cfg), (x, w, s)))
+                comp = precompile(jobs)
+                for (row, x), ck in zip(rows, comp):
+                    try:
+                        if isinstance(ck, Exception):
+                            raise ck
+                        t, y = timeit(ck, x, w, s)
+                        row["TBps"] = bytes_layer * L / t / 1e12
+                        r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
+                        row["relerr_vs_reference"] = relerr(y[L - 1], r)
                     except Exception as e:  # noqa: BLE001
                         row["error"] = repr(e)[:500]
                     RESULTS["tune"].append(row)
                     log(json.dumps(row))
                     save(args.out)
-            del w, s
+                del w, s
 
     print_tables()
     save(args.out)
@@ -492,7 +503,8 @@ def print_tables():
         print(r)
     print("\n== tune (TB/s)")
     for r in R["tune"]:
-        print(r.get("T"), r.get("dtype"), r["cfg"], r.get("plan"), r.get("TBps"), r.get("skip", ""), r.get("error", "")[:120])
+        print(r.get("shape"), r.get("T"), r.get("dtype"), r.get("plan"), r.get("TBps"), r.get("relerr_vs_reference"),
+              r.get("skip", ""), r.get("error", "")[:120])
     if R["errors"]:
         print("\nerrors:", R["errors"])
 

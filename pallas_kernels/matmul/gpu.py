@@ -26,8 +26,7 @@ The plan (tile sizes, runs, slots) is static Python computed from the shapes.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
+import os
 
 import numpy as np
 
@@ -40,6 +39,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 MAX_T = 256          # wgmma N limit
+BLOCK_SCALE_MODES = ("gmem", "smem", "xside")
+# How 128x128 block scales reach the kernel (see _kernel_call / raw_partials). Overridable through
+# the environment for benchmarking.
+DEFAULT_BLOCK_SCALES = os.environ.get("TBJAX_MM_BLOCK_SCALES", "gmem")
 SMEM_LIMIT = 227 * 1024
 
 
@@ -51,6 +54,7 @@ class TileConfig:
     max_stages: int = 8
     smem_budget: int = 200 * 1024
     ctas_per_sm: int = 1
+    block_scales: str = DEFAULT_BLOCK_SCALES   # one of BLOCK_SCALE_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,8 @@ def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
         return f"D={d} not a multiple of tile_d={cfg.tile_d}"
     if f % cfg.tile_f:
         return f"F={f} not a multiple of tile_f={cfg.tile_f}"
+    if block_scaled and cfg.block_scales == "xside" and len(ws) > 1:
+        return "block_scales='xside' takes one matrix per launch"
     if block_scaled:
         if cfg.tile_d % BLOCK or cfg.tile_f > BLOCK:
             return f"block scales need tile_f <= {BLOCK} and tile_d a multiple of {BLOCK}"
@@ -167,11 +173,16 @@ def _mma_accumulate(acc, a_ref, b_ref, interpret: bool):
     return pl.run_state(mma_in_place)(plgpu.ACC.init(acc))
 
 
-def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
+def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool,
+                 scale_mode: str = "smem", x_per_fblock: bool = False):
     """Builds the plgpu.kernel computing partials P[M, slots, F, Tp] from x [Tp, D], M weights (+ scales).
 
     stacked: the weights (and scales) carry a leading layer axis and the kernel's second input
     is an int32 [1] layer index; the kernel reads that layer's tiles in place (no slice copy).
+    scale_mode (block scales): "smem" loads each CTA's [Dk, scale_win] scale window into SMEM
+    once; "gmem" reads each step's scalars from GMEM one step ahead (carried through the pipeline).
+    x_per_fblock: x is [F-blocks * Tp, D], one pre-scaled copy of x per 128-wide F block (the
+    "xside" block-scale mode: the kernel then dequantizes without scales).
     """
     p = plan
     M = p.n_mats
@@ -195,7 +206,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
         deq_smems = rest[:M] if fp8 else ()          # one bf16 dequant buffer per matrix
         s_wins = rest[M:2 * M] if fp8 else ()        # block scales: this CTA's scale window per matrix
         c = lax.axis_index("cta")
-        if block_scaled:
+        if block_scaled and scale_mode == "smem":
             # Load once the [Dk, scale_win] window of F-blocks this CTA's run touches (TMA needs
             # 128-byte aligned SMEM, so no tiny per-step scale tiles).
             fb0 = jnp.minimum(lax.div(lax.div(c * n_per, k_steps) * p.tile_f, BLOCK),
@@ -215,20 +226,28 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
             _, j, k = coords(i)
             return (k, j)
 
-        def x_map(i):
-            _, _, k = coords(i)
-            return (0, k)
-
         def fb_of(j):  # the F scale block of F tile j
             return lax.div(j * p.tile_f, BLOCK)
+
+        def x_map(i):
+            _, j, k = coords(i)
+            return (fb_of(j) if x_per_fblock else 0, k)
+
+        rb_per_step = p.tile_d // BLOCK
+
+        def gmem_scales(i):  # block scales of step i (clamped), read straight from GMEM
+            _, j, k = coords(jnp.minimum(i, n_per - 1))
+            return tuple(tuple(s_gmems[m][k * rb_per_step + rb, fb_of(j)] for rb in range(rb_per_step))
+                         for m in range(M))
 
         in_specs = [plgpu.BlockSpec((p.tp, p.tile_d), x_map, transforms=x_tr)]
         in_specs += [plgpu.BlockSpec((p.tile_d, p.tile_f), w_map, transforms=w_tr)] * M
 
         def step(idx, x_smem, *smems_and_carry):
             (i,) = idx
-            *smems, accs = smems_and_carry
+            *smems, (accs, s_cur) = smems_and_carry
             g, j, k = coords(i)
+            s_next = gmem_scales(i + 1) if s_cur is not None else None
             w_smems = smems[:M]
             x_t = x_smem.transpose((1, 0))
             new_accs = []
@@ -241,7 +260,10 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                         v = w_smems[m].at[rows][...].astype(jnp.float32)
                         if block_scaled:
                             # one scale per 128x128 block; tile_f <= 128 (checked by unsupported_reason)
-                            sc = s_wins[m][k * (p.tile_d // BLOCK) + (r * 64) // BLOCK, fb_of(j) - fb0]
+                            if scale_mode == "gmem":
+                                sc = s_cur[m][(r * 64) // BLOCK]
+                            else:
+                                sc = s_wins[m][k * rb_per_step + (r * 64) // BLOCK, fb_of(j) - fb0]
                             v = v * sc
                         dst.at[rows][...] = v.astype(jnp.bfloat16)
                     plgpu.commit_smem()
@@ -265,17 +287,18 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                         out_smem.at[m], p_gmem.at[m, slot, pl.ds(j * p.tile_f, p.tile_f)])
 
             keep = jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
-            return tuple(a * keep for a in new_accs)
+            return tuple(a * keep for a in new_accs), s_next
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
+        s0 = gmem_scales(0) if (block_scaled and scale_mode == "gmem") else None
         plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=p.stages,
-                            init_carry=zeros)(x_gmem, *w_gmems)
+                            init_carry=(zeros, s0))(x_gmem, *w_gmems)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((M, p.tile_f, p.tp), jnp.float32)]
     if fp8:
         scratch += [plgpu.SMEM((p.tile_d, p.tile_f), jnp.bfloat16, transforms=deq_tr) for _ in range(M)]
-        if block_scaled:
+        if block_scaled and scale_mode == "smem":
             scratch += [plgpu.SMEM((dk, p.scale_win), jnp.float32) for _ in range(M)]
             scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=M))
     kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
@@ -345,7 +368,10 @@ def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | Non
     reason = unsupported_reason(x_TD, ws, scales, cfg)
     if reason:
         return None, reason
-    plan = make_plan(d, f, t, len(ws), jnp.dtype(ws[0].dtype).itemsize, block_scaled, cfg, num_sms)
+    if cfg.block_scales not in BLOCK_SCALE_MODES:
+        return None, f"block_scales={cfg.block_scales!r} not in {BLOCK_SCALE_MODES}"
+    plan = make_plan(d, f, t, len(ws), jnp.dtype(ws[0].dtype).itemsize,
+                     block_scaled and cfg.block_scales == "smem", cfg, num_sms)
     if plan.stages < min(2, plan.n_per):
         return None, f"tiles {cfg.tile_d}x{cfg.tile_f} at Tp={plan.tp} leave no SMEM for a 2-stage pipeline"
     return cfg, plan
@@ -367,18 +393,30 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     if x_padded and t != plan.tp:
         raise ValueError(f"x_padded=True but x has {t} rows, kernel wants Tp={plan.tp}")
     x_pad = x_TD if plan.tp == t else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
+    mode = cfg.block_scales if block_scaled else None
+    if mode == "xside":
+        # One copy of x per 128-wide F block, scaled per 128-deep D block: the kernel then needs no
+        # scales. Only one matrix (the scales differ per matrix).
+        if len(ws) != 1:
+            raise ValueError("block_scales='xside' takes one matrix at a time")
+        sc = scales[0] if layer is None else jax.lax.dynamic_index_in_dim(scales[0], layer, 0, False)
+        s_FD = jnp.repeat(sc.T, BLOCK, axis=1)[:, :d]                              # [Fk, D]
+        x_pad = (x_pad[None].astype(jnp.float32) * s_FD[:, None, :]).astype(x_TD.dtype)
+        x_pad = x_pad.reshape(-1, d)                                               # [Fk*Tp, D]
     args = [x_pad]
     if stacked:
         args.append(jnp.asarray(layer, jnp.int32).reshape(1))
     args += list(ws)
-    if block_scaled:
-        for sc in scales:  # TMA needs 16-byte rows: pad the F blocks to a multiple of 4
+    if mode in ("smem", "gmem"):
+        for sc in scales:  # smem mode: TMA needs 16-byte rows: pad the F blocks to a multiple of 4
             fk = sc.shape[-1]
-            if fk % 4:
+            if mode == "smem" and fk % 4:
                 pad = [(0, 0)] * (sc.ndim - 1) + [(0, 4 - fk % 4)]
                 sc = jnp.pad(sc, pad, constant_values=1.0)
             args.append(sc)
-    return _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
+    kern = _kernel_call(plan, ws[0].dtype, mode in ("smem", "gmem"), stacked, interpret,
+                        scale_mode=mode or "smem", x_per_fblock=mode == "xside")
+    return kern(*args), plan
 
 
 def reduce_partials(part, plan: Plan, t: int):

@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
-    ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--kv-dtype", default="auto", help="auto (= weights dtype), bfloat16, float8_e4m3fn, float8_e5m2")
     args = ap.parse_args(argv)
 
     from tbjax.default_model import DefaultModelMissing

@@ -11,3 +11,7 @@ __all__ = [
     "FinishReason", "Sequence", "SequenceStatus", "StepOutput",
     "RequestTooLarge", "ScheduledBatch", "ScheduledEntry", "Scheduler", "SchedulerConfig",
 ]
+
+from .engine import Engine, EngineConfig, RequestOutput  # noqa: E402
+
+__all__ += ["Engine", "EngineConfig", "RequestOutput"]

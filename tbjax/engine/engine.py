@@ -13,7 +13,7 @@ from typing import Hashable
 
 import jax
 
-from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, init_kv_cache
+from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, init_kv_cache, pages_for_budget
 from tbjax.engine.request import FinishReason, Sequence
 from tbjax.engine.runner import ModelRunner
 from tbjax.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    num_pages: int | None = None          # per dp rank incl. the null page; None => from free device memory
-    kv_dtype: str = "bfloat16"
+    num_pages: int | None = None          # per dp rank incl. the null page; None => from kv_cache_bytes / free memory
+    kv_cache_bytes: int | None = None     # KV memory budget per dp rank (pages = budget / page bytes)
+    kv_dtype: str = "auto"                # "auto" => the weights' dtype; or bfloat16 / float8_e4m3fn / float8_e5m2
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
@@ -62,8 +63,16 @@ class Engine:
     def __init__(self, spec: ModelSpec, params, tokenizer: TextTokenizer, config: EngineConfig = EngineConfig()):
         self.spec, self.params, self.tokenizer, self.config = spec, params, tokenizer, config
         max_len = min(config.max_model_len or spec.max_position, spec.max_position)
+        if config.kv_dtype == "auto":
+            config = dataclasses.replace(config, kv_dtype=str(jax.tree.leaves(params)[0].dtype))
+            self.config = config
         pbytes = sum(a.nbytes for a in jax.tree.leaves(params))
-        num_pages = config.num_pages or auto_num_pages(spec, config.page_size, config.kv_dtype, pbytes)
+        if config.num_pages:
+            num_pages = config.num_pages
+        elif config.kv_cache_bytes:
+            num_pages = pages_for_budget(spec, config.page_size, config.kv_dtype, config.kv_cache_bytes)
+        else:
+            num_pages = auto_num_pages(spec, config.page_size, config.kv_dtype, pbytes)
         self.kv_config = KVCacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=config.kv_dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=config.page_size, dp=1, max_num_seqs=config.max_num_seqs,

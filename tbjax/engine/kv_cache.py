@@ -60,10 +60,20 @@ def init_kv_cache(spec: ModelSpec, cfg: KVCacheConfig):
     return [one() for _ in range(spec.n_layers)]
 
 
+def page_bytes(spec: ModelSpec, page_size: int, dtype: str) -> int:
+    """Device bytes of one page over all layers, fp8 scales included."""
+    scales = spec.n_layers * 2 * spec.n_kv_heads * 4 if jnp.dtype(KV_DTYPES[dtype]).itemsize == 1 else 0
+    return bytes_per_token(spec, dtype) * page_size + scales
+
+
+def pages_for_budget(spec: ModelSpec, page_size: int, dtype: str, budget_bytes: int) -> int:
+    return max(2, budget_bytes // page_bytes(spec, page_size, dtype))
+
+
 def auto_num_pages(spec: ModelSpec, page_size: int, dtype: str, params_bytes: int, fraction: float = 0.85) -> int:
     """Pages that fit in the device memory left after the weights (CPU: a fixed 16k-token pool)."""
     dev = jax.devices()[0]
-    per_page = bytes_per_token(spec, dtype) * page_size
+    per_page = page_bytes(spec, page_size, dtype)
     stats = dev.memory_stats() if dev.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return max(2, 16384 // page_size + 1)

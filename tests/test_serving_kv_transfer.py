@@ -14,7 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from serving.kv_transfer import ArrayPagePool, KVReceiver, KVSender, TransferError, kv_service_handler
+from serving.kv_transfer import (CODECS, ArrayPagePool, KVReceiver, KVSender, SplitZipCodec, TransferError,
+                                 kv_service_handler, register_codec)
 from serving.metrics import ServerMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,11 +24,11 @@ DTYPE = "bfloat16"
 
 
 @contextlib.asynccontextmanager
-async def receiver_server(num_pages=32, timeout_s=5.0, **kw):
-    pool = ArrayPagePool(num_pages, PAGE_SHAPE, DTYPE)
+async def receiver_server(num_pages=32, timeout_s=5.0, page_shape=PAGE_SHAPE, **kw):
+    pool = ArrayPagePool(num_pages, page_shape, DTYPE)
     events = {"ready": [], "failed": []}
     metrics = ServerMetrics("decode")
-    rx = KVReceiver(pool, page_dtype=DTYPE, page_shape=PAGE_SHAPE, timeout_s=timeout_s, metrics=metrics,
+    rx = KVReceiver(pool, page_dtype=DTYPE, page_shape=page_shape, timeout_s=timeout_s, metrics=metrics,
                     on_ready=lambda r, p, n: events["ready"].append((r, p, n)),
                     on_failed=lambda r, why: events["failed"].append((r, why)), **kw)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -74,6 +75,32 @@ def test_roundtrip_bit_exact_and_late_reservation(n_pages, chunk_pages):
             assert rx.num_open == 0 and not ev["failed"]
             assert metrics.transfer_raw._value.get() == pages.nbytes
     asyncio.run(main())
+
+
+def test_splitzip_codec_negotiated_lossless_and_smaller():
+    register_codec(SplitZipCodec(impl="numpy"))
+    rng = np.random.default_rng()
+    shape = (4, 16, 2, 64)                                   # 16 KiB pages: framing overhead is small
+    pages = (rng.standard_normal((12, *shape)) * 0.5).astype(ml_dtypes.bfloat16)   # KV-like magnitudes
+
+    async def main():
+        async with receiver_server(codecs=("splitzip", "raw"), page_shape=shape) as (addr, pool, rx, ev, metrics), \
+                grpc.aio.insecure_channel(addr) as ch:
+            pool.data.view(np.uint16)[:] = 0xFFFF
+            st = await KVSender(ch, codecs=("splitzip", "raw"), chunk_pages=6).send("z", pages)
+            assert st.codec == "splitzip" and st.raw_bytes == pages.nbytes
+            assert st.wire_bytes < 0.9 * st.raw_bytes        # bf16 ceiling is 3/4 of raw, plus framing
+            (_, ids, _), = ev["ready"]
+            assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
+            assert metrics.transfer_wire._value.get() == st.wire_bytes
+            # a receiver without splitzip: the sender falls back to raw
+        async with receiver_server(page_shape=shape) as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+            st = await KVSender(ch, codecs=("splitzip", "raw")).send("z2", pages)
+            assert st.codec == "raw" and st.wire_bytes == pages.nbytes
+    try:
+        asyncio.run(main())
+    finally:
+        CODECS.pop("splitzip", None)
 
 
 def test_bad_checksum_frees_reservation():

@@ -11,7 +11,10 @@ What it measures, all in one process and one run so ratios are comparable:
               layer index / scan over stacked weights / scan(unroll=True), with the kernel and XLA dot;
   4. fused:   gate_up_silu (two matrices, one launch) vs two decode_matmul calls + XLA silu*mul;
   5. tune:    a few tile configurations on one shape;
-  6. flags:   (subprocess) the XLA loop variants again under default XLA flags.
+  6. flags:   (subprocess) the XLA loop variants again under default XLA flags (the main
+              process runs with --xla_gpu_enable_triton_gemm=false).
+  smoke:      fp8 unscaled / per-channel / block-scaled and bf16, each against the reference
+              (SMOKE_KINDS picks; exit code 3 if one fails). tune: a few tile configurations.
 Each timed call runs L layers (L chosen so a call streams >= ~1.5 GB, far above the 50 MB L2);
 10 calls are queued back to back and timed together (host dispatch hidden), median of 3.
 
@@ -94,9 +97,11 @@ def main():
     OUT_NAME = f"bench_decode_matmul{('_' + args.tag) if args.tag else ''}.json"
     if args.dry:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from pallas_kernels.matmul.flags import merged_xla_flags
+    from pallas_kernels.matmul.flags import GPU_NO_TRITON_GEMM, merged_xla_flags
     if not args.default_flags and not args.dry:
-        os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS"))
+        # The main process runs XLA with cuBLAS for its dots (the best XLA setting at T>=8);
+        # the "flags" section re-runs the XLA loops with default flags in a subprocess.
+        os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS"), extra=(GPU_NO_TRITON_GEMM,))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")
     RESULTS["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     if "ceiling" in sections and not args.dry:

@@ -16,8 +16,11 @@ the H200's ~4.3 (issue 9). This kernel is built only to stream:
 * Each CTA runs one software pipeline (`plgpu.emit_pipeline`) several stages deep over its
   whole run, so there is no pipeline restart at F-tile boundaries.
 * fp8 (e4m3) weights stay fp8 in HBM (half the bytes): each tile is converted to bf16 in SMEM
-  (x128x128-block scale folded in, one scalar per block) before the wgmma. Per-channel scales
-  are applied exactly in float32 in the epilogue.
+  before the wgmma, with its 128x128-block scale folded in (one float32 scalar per block, read
+  from GMEM one pipeline step ahead); so block-scaled weights are rounded to bf16 after scaling
+  (relative error ~2^-9, as in DeepSeek's own bf16 dequantization). Per-channel scales are
+  applied exactly in float32 in the epilogue. Measured (H200, benchmarks/RESULTS.md): the
+  conversion by one warpgroup is the bottleneck, fp8 streams at only 0.8-1.8 TB/s.
 * Several weight matrices of one shape (the gate/up pair) are streamed in one launch: every
   pipeline step brings the same tile of each, and each has its own accumulator.
 
@@ -26,7 +29,6 @@ The plan (tile sizes, runs, slots) is static Python computed from the shapes.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
@@ -39,10 +41,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 MAX_T = 256          # wgmma N limit
-BLOCK_SCALE_MODES = ("gmem", "smem", "xside")
-# How 128x128 block scales reach the kernel (see _kernel_call / raw_partials). Overridable through
-# the environment for benchmarking.
-DEFAULT_BLOCK_SCALES = os.environ.get("TBJAX_MM_BLOCK_SCALES", "gmem")
 SMEM_LIMIT = 227 * 1024
 
 
@@ -54,7 +52,6 @@ class TileConfig:
     max_stages: int = 8
     smem_budget: int = 200 * 1024
     ctas_per_sm: int = 1
-    block_scales: str = DEFAULT_BLOCK_SCALES   # one of BLOCK_SCALE_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +70,6 @@ class Plan:
     n_slots: int
     stages: int
     slot_mask: tuple   # [n_slots][f_tiles] bools: was partial (slot, tile) written
-    scale_win: int     # block scales: F-blocks (multiple of 4) of the scale window each CTA loads once
-    scale_cols: int    # block scales: columns of the (padded to a multiple of 4) scale array
 
 
 def padded_t(t: int) -> int:
@@ -85,8 +80,9 @@ def _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize):
     return tp * tile_d * 2 + n_mats * tile_d * tile_f * w_itemsize
 
 
-def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, block_scaled: bool,
-              cfg: TileConfig, num_sms: int) -> Plan:
+def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileConfig,
+              num_sms: int) -> Plan:
+    """Static work split: runs of n_per steps per CTA over the (F tile, D step) space, slots, stages."""
     tp = padded_t(t)
     tile_d, tile_f = cfg.tile_d, cfg.tile_f
     k_steps, f_tiles = d // tile_d, f // tile_f
@@ -98,24 +94,14 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, block_scaled
     last = [((j + 1) * k_steps - 1) // n_per for j in range(f_tiles)]
     n_slots = max(l - fi + 1 for fi, l in zip(first, last))
     mask = tuple(tuple(s <= last[j] - first[j] for j in range(f_tiles)) for s in range(n_slots))
-    scale_cols = -(-(-(-f // BLOCK)) // 4) * 4
-    scale_win = 0
-    if block_scaled:
-        for c in range(n_ctas):
-            jf = (c * n_per) // k_steps
-            jl = (min((c + 1) * n_per, n_total) - 1) // k_steps
-            scale_win = max(scale_win, (jl * tile_f + tile_f - 1) // BLOCK - (jf * tile_f) // BLOCK + 1)
-        scale_win = min(-(-scale_win // 4) * 4, scale_cols)
     fixed = n_mats * tile_f * tp * 4                              # out staging
     if w_itemsize == 1:
         fixed += n_mats * tile_d * tile_f * 2                     # bf16 dequant buffers
-    if block_scaled:
-        fixed += n_mats * (-(-d // BLOCK)) * scale_win * 4 + 1024  # scale windows (+ alignment)
     per_stage = _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize)
     budget = min(cfg.smem_budget, SMEM_LIMIT // cfg.ctas_per_sm) - fixed
     stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
     return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
-                n_slots, stages, mask, scale_win, scale_cols)
+                n_slots, stages, mask)
 
 
 def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
@@ -138,8 +124,6 @@ def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
         return f"D={d} not a multiple of tile_d={cfg.tile_d}"
     if f % cfg.tile_f:
         return f"F={f} not a multiple of tile_f={cfg.tile_f}"
-    if block_scaled and cfg.block_scales == "xside" and len(ws) > 1:
-        return "block_scales='xside' takes one matrix per launch"
     if block_scaled:
         if cfg.tile_d % BLOCK or cfg.tile_f > BLOCK:
             return f"block scales need tile_f <= {BLOCK} and tile_d a multiple of {BLOCK}"
@@ -173,16 +157,15 @@ def _mma_accumulate(acc, a_ref, b_ref, interpret: bool):
     return pl.run_state(mma_in_place)(plgpu.ACC.init(acc))
 
 
-def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool,
-                 scale_mode: str = "smem", x_per_fblock: bool = False):
+def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
     """Builds the plgpu.kernel computing partials P[M, slots, F, Tp] from x [Tp, D], M weights (+ scales).
 
     stacked: the weights (and scales) carry a leading layer axis and the kernel's second input
     is an int32 [1] layer index; the kernel reads that layer's tiles in place (no slice copy).
-    scale_mode (block scales): "smem" loads each CTA's [Dk, scale_win] scale window into SMEM
-    once; "gmem" reads each step's scalars from GMEM one step ahead (carried through the pipeline).
-    x_per_fblock: x is [F-blocks * Tp, D], one pre-scaled copy of x per 128-wide F block (the
-    "xside" block-scale mode: the kernel then dequantizes without scales).
+    block_scaled: each step's 128x128-block scales are read from GMEM one step ahead and carried
+    through the pipeline, so the load latency hides behind a step. (Staging scales in SMEM by TMA
+    was tried: per-step 16-byte tiles gave misaligned TMA destinations, a per-CTA scale window
+    raised an illegal instruction on the H200; plain scalar loads work.)
     """
     p = plan
     M = p.n_mats
@@ -192,7 +175,6 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     w_tr = _tiled(min(p.tile_f, 128 // w_item) * w_item, w_item)
     deq_tr = _tiled(64 * 2, 2)
     n_per, n_total, k_steps = p.n_per, p.n_total, p.k_steps
-    dk = -(-p.d // BLOCK)
 
     def body(x_gmem, *refs):
         if stacked:
@@ -204,18 +186,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
         rest = refs[2 * M:] if block_scaled else refs[M:]
         p_gmem, out_smem, *rest = rest
         deq_smems = rest[:M] if fp8 else ()          # one bf16 dequant buffer per matrix
-        s_wins = rest[M:2 * M] if fp8 else ()        # block scales: this CTA's scale window per matrix
         c = lax.axis_index("cta")
-        if block_scaled and scale_mode == "smem":
-            # Load once the [Dk, scale_win] window of F-blocks this CTA's run touches (TMA needs
-            # 128-byte aligned SMEM, so no tiny per-step scale tiles).
-            fb0 = jnp.minimum(lax.div(lax.div(c * n_per, k_steps) * p.tile_f, BLOCK),
-                              p.scale_cols - p.scale_win)
-            s_bar = rest[2 * M]
-            for m in range(M):
-                plgpu.copy_gmem_to_smem(s_gmems[m].at[:, pl.ds(fb0, p.scale_win)], s_wins[m], s_bar.at[m])
-            for m in range(M):
-                plgpu.barrier_wait(s_bar.at[m])
 
         def coords(i):
             g = c * n_per + i
@@ -230,8 +201,8 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
             return lax.div(j * p.tile_f, BLOCK)
 
         def x_map(i):
-            _, j, k = coords(i)
-            return (fb_of(j) if x_per_fblock else 0, k)
+            _, _, k = coords(i)
+            return (0, k)
 
         rb_per_step = p.tile_d // BLOCK
 
@@ -260,11 +231,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                         v = w_smems[m].at[rows][...].astype(jnp.float32)
                         if block_scaled:
                             # one scale per 128x128 block; tile_f <= 128 (checked by unsupported_reason)
-                            if scale_mode == "gmem":
-                                sc = s_cur[m][(r * 64) // BLOCK]
-                            else:
-                                sc = s_wins[m][k * rb_per_step + (r * 64) // BLOCK, fb_of(j) - fb0]
-                            v = v * sc
+                            v = v * s_cur[m][(r * 64) // BLOCK]
                         dst.at[rows][...] = v.astype(jnp.bfloat16)
                     plgpu.commit_smem()
                     a_ref = dst
@@ -290,7 +257,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
             return tuple(a * keep for a in new_accs), s_next
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
-        s0 = gmem_scales(0) if (block_scaled and scale_mode == "gmem") else None
+        s0 = gmem_scales(0) if block_scaled else None
         plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=p.stages,
                             init_carry=(zeros, s0))(x_gmem, *w_gmems)
         plgpu.wait_smem_to_gmem(0)
@@ -298,9 +265,6 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     scratch = [plgpu.SMEM((M, p.tile_f, p.tp), jnp.float32)]
     if fp8:
         scratch += [plgpu.SMEM((p.tile_d, p.tile_f), jnp.bfloat16, transforms=deq_tr) for _ in range(M)]
-        if block_scaled and scale_mode == "smem":
-            scratch += [plgpu.SMEM((dk, p.scale_win), jnp.float32) for _ in range(M)]
-            scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=M))
     kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     return plgpu.kernel(
         body,
@@ -340,7 +304,7 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
             if d % tile_d or (block_scaled and tile_d % BLOCK):
                 continue
             cfg = TileConfig(tile_d=tile_d, tile_f=tile_f)
-            plan = make_plan(d, f, t, n_mats, w_itemsize, block_scaled, cfg, num_sms)
+            plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms)
             if plan.stages < min(2, plan.n_per):
                 continue
             key = (min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize, tile_f, tile_d)
@@ -368,10 +332,7 @@ def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | Non
     reason = unsupported_reason(x_TD, ws, scales, cfg)
     if reason:
         return None, reason
-    if cfg.block_scales not in BLOCK_SCALE_MODES:
-        return None, f"block_scales={cfg.block_scales!r} not in {BLOCK_SCALE_MODES}"
-    plan = make_plan(d, f, t, len(ws), jnp.dtype(ws[0].dtype).itemsize,
-                     block_scaled and cfg.block_scales == "smem", cfg, num_sms)
+    plan = make_plan(d, f, t, len(ws), jnp.dtype(ws[0].dtype).itemsize, cfg, num_sms)
     if plan.stages < min(2, plan.n_per):
         return None, f"tiles {cfg.tile_d}x{cfg.tile_f} at Tp={plan.tp} leave no SMEM for a 2-stage pipeline"
     return cfg, plan
@@ -393,30 +354,13 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     if x_padded and t != plan.tp:
         raise ValueError(f"x_padded=True but x has {t} rows, kernel wants Tp={plan.tp}")
     x_pad = x_TD if plan.tp == t else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
-    mode = cfg.block_scales if block_scaled else None
-    if mode == "xside":
-        # One copy of x per 128-wide F block, scaled per 128-deep D block: the kernel then needs no
-        # scales. Only one matrix (the scales differ per matrix).
-        if len(ws) != 1:
-            raise ValueError("block_scales='xside' takes one matrix at a time")
-        sc = scales[0] if layer is None else jax.lax.dynamic_index_in_dim(scales[0], layer, 0, False)
-        s_FD = jnp.repeat(sc.T, BLOCK, axis=1)[:, :d]                              # [Fk, D]
-        x_pad = (x_pad[None].astype(jnp.float32) * s_FD[:, None, :]).astype(x_TD.dtype)
-        x_pad = x_pad.reshape(-1, d)                                               # [Fk*Tp, D]
     args = [x_pad]
     if stacked:
         args.append(jnp.asarray(layer, jnp.int32).reshape(1))
     args += list(ws)
-    if mode in ("smem", "gmem"):
-        for sc in scales:  # smem mode: TMA needs 16-byte rows: pad the F blocks to a multiple of 4
-            fk = sc.shape[-1]
-            if mode == "smem" and fk % 4:
-                pad = [(0, 0)] * (sc.ndim - 1) + [(0, 4 - fk % 4)]
-                sc = jnp.pad(sc, pad, constant_values=1.0)
-            args.append(sc)
-    kern = _kernel_call(plan, ws[0].dtype, mode in ("smem", "gmem"), stacked, interpret,
-                        scale_mode=mode or "smem", x_per_fblock=mode == "xside")
-    return kern(*args), plan
+    if block_scaled:
+        args += list(scales)
+    return _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
 
 
 def reduce_partials(part, plan: Plan, t: int):

@@ -13,6 +13,8 @@ latency percentiles (p50/p90/p99, mean) and throughput (requests/s, output and t
     python benchmarks/load_test.py --spawn model --num-requests 64 --concurrency 16
     # the same workload straight through the engine, no gRPC (the ceiling the server is compared with)
     python benchmarks/load_test.py --spawn model --offline --num-requests 64 --concurrency 16
+    # both, same engine, one run: offline first, then over gRPC; prints the throughput ratio
+    python benchmarks/load_test.py --spawn model --compare-offline --num-requests 64 --concurrency 16
 
 Length distributions: ``N`` (fixed), ``uniform:LO:HI`` (inclusive), ``normal:MEAN:STD`` (rounded, >= 1).
 """
@@ -276,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--spawn", choices=["model", "fake"], help="start a server in this process first")
     ap.add_argument("--model", default=None, help="with --spawn model: the model path (default model otherwise)")
     ap.add_argument("--offline", action="store_true", help="with --spawn: drive the engine directly, no gRPC")
+    ap.add_argument("--compare-offline", action="store_true",
+                    help="with --spawn: run the workload offline first, then over gRPC, same engine, and report both")
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
     ap.add_argument("--concurrency", type=int, default=0, help="max requests in flight (0: no limit)")
@@ -308,50 +312,57 @@ def _spawn_model(a):
 
 def main(argv=None) -> dict:
     a = build_parser().parse_args(argv)
-    if a.offline and not a.spawn:
-        raise SystemExit("--offline needs --spawn (the engine must be in this process)")
+    if (a.offline or a.compare_offline) and not a.spawn:
+        raise SystemExit("--offline / --compare-offline need --spawn (the engine must be in this process)")
     if a.num_requests < 1:
         raise SystemExit("--num-requests must be >= 1")
-    server = model = None
+    model = None
     if a.spawn:
         model = _spawn_model(a)
         vocab, ctx = model.vocab_size, model.max_context
-        if not a.offline:
+    else:
+        from serving.client import Client
+        with Client(a.target, timeout=30) as c:
+            info = c.model_info()
+        vocab, ctx = info["vocab_size"], info["max_context"]
+    jobs = make_workload(a.num_requests, a.prompt_len, a.output_len, vocab, ctx, a.request_rate, a.seed)
+    warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
+    runs = {}
+    if a.offline or a.compare_offline:
+        if warm:
+            run_offline(model.engine, model.make_params, warm, a)
+        runs["offline"] = (*run_offline(model.engine, model.make_params, jobs, a), "offline engine")
+    if not a.offline:
+        server = None
+        if a.spawn:
             from serving.limits import Limits
             from serving.server import ServerThread
             n = max(a.num_requests, a.warmup, 1)
             server = ServerThread(model, limits=Limits(max_concurrent_requests=n, max_queued_requests=n,
                                                        max_tokens=ctx), metrics_port=None).start()
             target = server.address
-    else:
-        target = a.target
-        from serving.client import Client
-        with Client(target, timeout=30) as c:
-            info = c.model_info()
-        vocab, ctx = info["vocab_size"], info["max_context"]
-    jobs = make_workload(a.num_requests, a.prompt_len, a.output_len, vocab, ctx, a.request_rate, a.seed)
-    warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
-    try:
-        if a.offline:
-            if warm:
-                run_offline(model.engine, model.make_params, warm, a)
-            results, duration = run_offline(model.engine, model.make_params, jobs, a)
-            mode = "offline engine"
         else:
-            if warm:
+            target = a.target
+        try:
+            if warm and not a.compare_offline:
                 asyncio.run(run_grpc(target, warm, a))
-            results, duration = asyncio.run(run_grpc(target, jobs, a))
-            mode = f"gRPC {target}"
-    finally:
-        if server is not None:
-            server.stop()
-    summary = summarize(results, duration)
-    title = (f"{mode}: {a.num_requests} requests, rate {a.request_rate}, concurrency {a.concurrency or 'unlimited'}")
-    print_table(summary, title)
-    report = {"mode": "offline" if a.offline else "grpc", "target": None if a.offline else target,
-              "config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
-              "summary": summary, "git_commit": _git_commit(), "host": platform.node(),
-              "python": platform.python_version()}
+            runs["grpc"] = (*asyncio.run(run_grpc(target, jobs, a)), f"gRPC {target}")
+        finally:
+            if server is not None:
+                server.stop()
+    report = {"config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
+              "git_commit": _git_commit(), "host": platform.node(), "python": platform.python_version()}
+    for mode, (results, duration, label) in runs.items():
+        summary = summarize(results, duration)
+        print_table(summary, f"{label}: {a.num_requests} requests, rate {a.request_rate}, "
+                             f"concurrency {a.concurrency or 'unlimited'}")
+        report[mode] = summary
+    report["mode"] = "+".join(runs)
+    report["summary"] = report["grpc" if "grpc" in runs else "offline"]
+    if len(runs) == 2:
+        ratio = report["grpc"]["output_token_throughput"] / max(report["offline"]["output_token_throughput"], 1e-9)
+        report["grpc_over_offline_output_throughput"] = ratio
+        print(f"\ngRPC / offline output-token throughput: {ratio:.3f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=2, default=str)

@@ -116,17 +116,13 @@ def test_bad_input_with_real_model(served, case):
     assert c.tokenize(PROMPTS[0]) == llm.tokenizer.encode(PROMPTS[0])                    # still serving
 
 
-def test_generates_after_the_bad_inputs(served):
-    llm, cases, ref, st, c = served
-    want = ref["greedy0"]
-    got = c.generate(token_ids=want.prompt_token_ids, max_tokens=3, temperature=0)
-    assert got.token_ids == want.token_ids[:3]
-
-
-def test_cancel_mid_stream_frees_pages(served):
+def test_serves_after_the_bad_inputs_and_cancel_frees_pages(served):
+    """Runs after the bad-input table: the engine still generates the right tokens; cancelling the stream
+    frees its KV pages."""
     llm, cases, ref, st, c = served
     stream = c.generate_stream(PROMPTS[2], max_tokens=200, temperature=0, ignore_eos=True)
-    next(stream), next(stream)
+    first = [t for _ in range(2) for t in next(stream).token_ids]
+    assert first == ref["token_ids"].token_ids[:2]
     stream.close()
     for _ in range(500):
         r = None

@@ -44,13 +44,21 @@ def test_distributions_and_workload():
     assert lt.make_workload(3, lt.parse_dist("4"), lt.parse_dist("4"), 100, 48, float("inf"), 1)[2].arrival_s == 0
 
 
-@pytest.mark.parametrize("mode", ["grpc", "offline"])
+@pytest.mark.parametrize("mode", ["grpc", "offline", "offline+grpc"])
 def test_short_run_against_fake_engine(mode, tmp_path):
     out = tmp_path / "r.json"
     args = ["--spawn", "fake", "--num-requests", "40", "--concurrency", "8", "--prompt-len", "uniform:4:40",
             "--output-len", "uniform:1:20", "--seed", "5", "--warmup", "1", "--out", str(out)]
-    rep = lt.main(args + (["--offline"] if mode == "offline" else []))
-    s = rep["summary"]
+    rep = lt.main(args + {"grpc": [], "offline": ["--offline"], "offline+grpc": ["--compare-offline"]}[mode])
+    assert rep["mode"] == mode
+    for key in mode.split("+"):
+        _check_summary(rep[key])
+    if mode == "offline+grpc":
+        assert rep["grpc_over_offline_output_throughput"] > 0
+    assert out.exists()
+
+
+def _check_summary(s):
     jobs = lt.make_workload(40, lt.parse_dist("uniform:4:40"), lt.parse_dist("uniform:1:20"), 259, 512,
                             float("inf"), 5)
     assert s["completed"] == 40 and s["failed"] == 0
@@ -59,4 +67,3 @@ def test_short_run_against_fake_engine(mode, tmp_path):
     assert s["ttft_s"]["n"] == 40 and s["itl_s"]["n"] == sum(j.max_tokens - 1 for j in jobs)
     for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert 0 <= s[k]["p50"] <= s[k]["p90"] <= s[k]["p99"] <= s[k]["max"]
-    assert out.exists() and rep["mode"] == mode

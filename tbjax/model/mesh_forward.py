@@ -10,10 +10,14 @@ Layout (static, `MeshPlan`):
   uint8 buffer (sharding/packed.py), stacked [L, bytes] and split over `layout.attn_axes` (or replicated when
   that is empty); routed experts [L_g, E, ...] split over `layout.expert_axes`; everything else replicated
   (sharding/rules.py: decode_rules). Tokens are split over `layout.batch_axes`.
-Program: one `jax.shard_map` over the mesh. Layers of one group (same attention/FFN kind) run in a `lax.scan`;
-the scan carry holds the gathered buffer of the current layer and each step starts gathering the next layer's
-buffer before computing (sharding/prefetch.py). The last layer is peeled off so nothing is gathered past the end.
-The carried buffer flows across group boundaries (all layers share one attention kind, hence one packed layout).
+Program: one `jax.shard_map` over the mesh. Layers of one group (same FFN kind) run in a `lax.scan` whose step
+is "FFN of layer l, then attention of layer l+1": the carry holds the gathered buffer of layer l+1, and each step
+starts gathering layer l+2 (sharding/prefetch.py). Ending the step with attention is deliberate: XLA's GPU
+latency-hiding scheduler puts the gather's done at the end of the step and its start just early enough to hide
+it, so the attention compute is what gets overlapped (checked on optimized GPU HLO by tests/test_sharding_hlo.py).
+Layer 0's attention runs before the scans (gathering layer 1 meanwhile); the last two steps are peeled so
+nothing is gathered past the end. The carried buffer flows across group boundaries (one attention kind, hence one
+packed layout for all layers).
 
 Restrictions (refused with MeshMismatch): tp = pp = 1; expert_axes and attn_axes must be subsets of batch_axes
 (each device's tokens are its own, so results never need to be re-replicated); windows must be uniform.
@@ -182,47 +186,62 @@ def make_forward(plan: MeshPlan, mesh, param_tree):
         def attend(layer, q, k, v, cache):
             return ly.dense_causal_attention(q, k, v, pos, seg, scale=scale, window=window), cache
 
+        def attn(x, buf, layer):
+            p_attn = pk.unpack(buf, plan.attn_pack, dt)
+            d, _ = ATTENTION_APPLY[plan.attn_kind](spec, p_attn, x, cos, sin, attend, layer, None)
+            return x + d
+
+        def ffn(fkind, x, ffn_p):
+            if fkind == "moe":
+                y, st = moe_ffn(spec, ffn_p, x, ep)
+                return x + y, (st["load_E"], st["dropped"])
+            return x + FFN_APPLY[fkind](spec, ffn_p, x), None
+
         def make_step(fkind):
+            # One scan step = the FFN of layer l, then the attention of layer l+1 (weights: buf). Ending the step
+            # with attention makes the scheduler, which places the next gather's done at the end of the step and
+            # its start early enough to hide it, bracket the attention compute with that gather.
             def step(x, buf, xs):
                 ffn_p, layer = xs
-                p_attn = pk.unpack(buf, plan.attn_pack, dt)
-                d, _ = ATTENTION_APPLY[plan.attn_kind](spec, p_attn, x, cos, sin, attend, layer, None)
-                x = x + d
-                if fkind == "moe":
-                    y, st = moe_ffn(spec, ffn_p, x, ep)
-                    return x + y, (st["load_E"], st["dropped"])
-                return x + FFN_APPLY[fkind](spec, ffn_p, x), None
+                x, ys = ffn(fkind, x, ffn_p)
+                return attn(x, buf, layer + 1), ys
             return step
 
         stack = mp["attn"]["packed"]
+        L = spec.n_layers
         fetch = (lambda s: gather_buffer(s, lay.attn_axes, lay.attn_gather)) if sharded else (lambda s: s)
-        buf = fetch(stack[0]) if sharded else None
+        buf0 = fetch(stack[0])
+        buf = fetch(stack[1]) if (sharded and L > 1) else None      # prefetch of layer 1 overlaps attention 0
+        x = attn(x, buf0, jnp.int32(0))
         loads, drops = [], []
-        for r, (g, fkind, j0, layers) in enumerate(plan.runs):
-            last = r == len(plan.runs) - 1
-            n_scan = len(layers) - (1 if last else 0)
+
+        def collect(fkind, ys):
+            if fkind == "moe":
+                loads.append(ys[0])
+                drops.append(ys[1])
+
+        for g, fkind, j0, layers in plan.runs:
             gp = mp["ffn"][g]
             step = make_step(fkind)
             l0 = layers[0]
-            if n_scan:
-                xs = (jax.tree.map(lambda a: a[j0:j0 + n_scan], gp), jnp.arange(l0, l0 + n_scan, dtype=jnp.int32))
+            n = sum(1 for l in layers if l <= L - 3)      # steps that prefetch layer l+2: scanned
+            if n:
+                xs = (jax.tree.map(lambda a: a[j0:j0 + n], gp), jnp.arange(l0, l0 + n, dtype=jnp.int32))
                 if sharded:
-                    x, buf, ys = prefetch_scan(step, x, buf, xs, stack[l0 + 1:l0 + n_scan + 1], fetch, lay.unroll)
+                    x, buf, ys = prefetch_scan(step, x, buf, xs, stack[l0 + 2:l0 + n + 2], fetch, lay.unroll)
                 else:
                     def rstep(x, inp, step=step):
                         xs_l, b = inp
                         return step(x, b, xs_l)
-                    x, ys = jax.lax.scan(rstep, x, (xs, stack[l0:l0 + n_scan]), unroll=lay.unroll)
-                if fkind == "moe":
-                    loads.append(ys[0])
-                    drops.append(ys[1])
-            if last:
-                jl = j0 + len(layers) - 1
-                b = buf if sharded else stack[layers[-1]]
-                x, ys = step(x, b, (jax.tree.map(lambda a: a[jl], gp), jnp.int32(layers[-1])))
-                if fkind == "moe":
-                    loads.append(ys[0][None])
-                    drops.append(ys[1][None])
+                    x, ys = jax.lax.scan(rstep, x, (xs, stack[l0 + 1:l0 + n + 1]), unroll=lay.unroll)
+                collect(fkind, ys)
+            for l in layers[n:]:                          # peeled: layer L-2 (no gather left) and L-1 (FFN only)
+                p = jax.tree.map(lambda a: a[j0 + l - l0], gp)
+                if l == L - 2:
+                    x, ys = step(x, buf if sharded else stack[L - 1], (p, jnp.int32(l)))
+                else:
+                    x, ys = ffn(fkind, x, p)
+                collect(fkind, None if ys is None else jax.tree.map(lambda a: a[None], ys))
         h = ly.rms_norm(x, mp["final_norm"], spec.norm_eps)
         logits = lm_logits(mp, spec, h)
         if n_moe:
@@ -235,7 +254,7 @@ def make_forward(plan: MeshPlan, mesh, param_tree):
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(bax), P(bax), P(bax)),
                        out_specs=(P(bax), {"expert_load_LE": P(), "dropped_L": P()}))
-    jfn = jax.jit(fn)
+    jfn = jax.jit(fn, compiler_options=xla_options(lay) or None)
     nb = axes_size(plan.mesh_dict, lay.batch_axes)
 
     def run(mparams, tokens_T, positions_T, segment_ids_T):
@@ -254,6 +273,17 @@ def make_forward(plan: MeshPlan, mesh, param_tree):
 
     run.jitted = jfn
     return run
+
+
+def xla_options(layout: DecodeLayout) -> dict:
+    """Per-program XLA options. With all-gather prefetch and all-gather expert dispatch, XLA's GPU all-gather
+    combiner merges the next layer's weight gather with the MoE token gather (same replica groups, independent,
+    both small enough), which moves the prefetch onto the critical path (its start lands right before the MoE
+    dispatch). Disabling the combiner for this program keeps them apart (tests/test_sharding_hlo.py). The option
+    is a GPU one; other backends ignore it."""
+    if layout.attn_axes and layout.attn_gather == "all_gather" and layout.ep_mode == "gather":
+        return {"xla_gpu_all_gather_combine_threshold_bytes": 0}
+    return {}
 
 
 def abstract_mesh_params(plan: MeshPlan, dtype=None):

@@ -1,0 +1,267 @@
+"""Tests for pallas_kernels.matmul (issue 9, decode matmuls).
+
+The jnp reference is checked against float64 numpy math; the Mosaic GPU kernel runs in GPU
+interpret mode on CPU (its memory starts NaN-poisoned, so an unwritten output shows) against the
+reference: ragged T, stream-K runs that split F tiles unevenly, fp8 without / per-channel /
+128x128-block scales, stacked weights read at a traced layer, the fused gate/up pair. Lowering
+for cuda is checked without a GPU; the XLA (TPU) path, the dispatcher, input checks and the
+flags are checked too. Inputs are fresh random draws; the seed is printed on failure.
+"""
+import logging
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.matmul import decode_matmul, gate_up_silu, merged_xla_flags, xla_flags_for_decode
+from pallas_kernels.matmul import dispatch, gpu, reference, tpu
+
+FP8 = jnp.float8_e4m3fn
+
+
+def fresh_rng():
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    return np.random.default_rng(seed), seed
+
+
+def make_case(rng, t, d, f, kind, layers=None):
+    """x bf16 [T, D]; w bf16 or fp8 [(L,) D, F]; scale None / [(L,) F] / [(L,) Dk, Fk]."""
+    pre = () if layers is None else (layers,)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+    if kind == "bf16":
+        return x, jnp.asarray(rng.standard_normal(pre + (d, f)) / np.sqrt(d), jnp.bfloat16), None
+    w = jnp.asarray(rng.standard_normal(pre + (d, f)) * 4, FP8)
+    if kind == "fp8":
+        return x, w, None
+    if kind == "channel":
+        return x, w, jnp.asarray(rng.uniform(0.5, 2, pre + (f,)) / (4 * np.sqrt(d)), jnp.float32)
+    dk, fk = -(-d // 128), -(-f // 128)
+    return x, w, jnp.asarray(rng.uniform(0.5, 2, pre + (dk, fk)) / (4 * np.sqrt(d)), jnp.float32)
+
+
+def np_dequant(w, s):
+    w = np.asarray(w.astype(jnp.float32), np.float64)
+    if s is None:
+        return w
+    s = np.asarray(s, np.float64)
+    if s.ndim == 1:
+        return w * s[None, :]
+    d, f = w.shape
+    return w * np.kron(s, np.ones((128, 128)))[:d, :f]
+
+
+def f32(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def relerr(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def assert_close(y, r, seed, tol):
+    y, r = f32(y), f32(r)
+    assert not np.isnan(y).any(), f"NaN in output (unwritten?) seed={seed}"
+    rms = float(np.sqrt(np.mean(r ** 2)))
+    assert relerr(y, r) < tol, f"relerr {relerr(y, r)} seed={seed}"
+    np.testing.assert_allclose(y, r, rtol=4 * tol, atol=4 * tol * rms, err_msg=f"seed={seed}")
+
+
+# ---- reference against float64 numpy ---------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "channel", "block"])
+def test_reference_matches_float64(kind):
+    rng, seed = fresh_rng()
+    x, w, s = make_case(rng, 7, 200, 300, kind)          # D, F not multiples of 128: ragged blocks
+    y = reference.decode_matmul_reference(x, w, w_scale=s)
+    r = np.asarray(x.astype(jnp.float32), np.float64) @ np_dequant(w, s)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(f32(y), r, rtol=2 ** -7, atol=1e-6 * np.abs(r).max(), err_msg=f"seed={seed}")
+
+
+def test_gate_up_reference_matches_float64():
+    rng, seed = fresh_rng()
+    x, wg, sg = make_case(rng, 5, 256, 192, "block")
+    _, wu, su = make_case(rng, 5, 256, 192, "block")
+    h = reference.gate_up_silu_reference(x, wg, wu, gate_scale=sg, up_scale=su)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    g, u = xf @ np_dequant(wg, sg), xf @ np_dequant(wu, su)
+    r = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(f32(h), r, rtol=2 ** -7, atol=1e-6 * np.abs(r).max(), err_msg=f"seed={seed}")
+
+
+# ---- the kernel in GPU interpret mode --------------------------------------------------------
+
+KERNEL_CASES = [
+    # (T, D, F, kind, cfg, num_sms)
+    (1, 512, 384, "bf16", None, 5),
+    (13, 512, 384, "bf16", gpu.TileConfig(64, 64), 7),      # uneven stream-K runs, 2 slots
+    (200, 256, 128, "bf16", None, 3),                       # large T: tile_f 64, Tp 200
+    (9, 256, 512, "bf16", gpu.TileConfig(128, 256), 3),     # tile_f 256
+    (5, 512, 256, "fp8", None, 5),
+    (33, 256, 384, "channel", gpu.TileConfig(128, 128), 5),
+    (6, 512, 384, "block", gpu.TileConfig(256, 128), 4),    # two scale blocks per step
+    (17, 512, 256, "block", gpu.TileConfig(128, 64), 6),    # two F tiles per scale block
+]
+
+
+@pytest.mark.parametrize("t,d,f,kind,cfg,nsm", KERNEL_CASES)
+def test_kernel_matches_reference(t, d, f, kind, cfg, nsm):
+    rng, seed = fresh_rng()
+    x, w, s = make_case(rng, t, d, f, kind)
+    c, plan = gpu.plan_for(x, [w], [s], cfg, nsm)
+    assert c is not None, plan
+    y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=cfg, num_sms=nsm, interpret=True)
+    assert y.shape == (t, f) and y.dtype == jnp.bfloat16
+    # block scales are folded into bf16 weights in the kernel: ~2^-9 relative per weight
+    assert_close(y, reference.decode_matmul_reference(x, w, w_scale=s), seed, 1e-2 if kind == "block" else 4e-3)
+
+
+def test_stream_k_split_and_poisoned_slots():
+    """A plan with uneven runs leaves some (slot, tile) partials unwritten: they stay NaN, the
+    reduction masks exactly those, and every F tile is split over more than one CTA somewhere."""
+    rng, seed = fresh_rng()
+    x, w, _ = make_case(rng, 3, 512, 384, "bf16")
+    cfg = gpu.TileConfig(64, 64)
+    part, plan = gpu.raw_partials(x, [w], [None], cfg=cfg, num_sms=10, interpret=True)
+    mask = np.asarray(plan.slot_mask)
+    assert plan.n_slots >= 2 and plan.n_per % plan.k_steps != 0 and not mask.all()
+    p = f32(part)[0]                                     # [slots, F, Tp]
+    for sl in range(plan.n_slots):
+        for j in range(plan.f_tiles):
+            block = p[sl, j * plan.tile_f:(j + 1) * plan.tile_f]
+            if mask[sl, j]:
+                assert np.isfinite(block).all(), (sl, j, seed)
+            else:
+                assert np.isnan(block).all(), (sl, j, seed)
+    y = gpu.reduce_partials(part, plan, 3)[0]
+    r = np.asarray(x.astype(jnp.float32), np.float64) @ np_dequant(w, None)
+    np.testing.assert_allclose(f32(y), r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=f"seed={seed}")
+
+
+def test_stacked_layer_is_traced_and_read_in_place():
+    rng, seed = fresh_rng()
+    x, w, s = make_case(rng, 4, 256, 256, "block", layers=3)
+    f = jax.jit(lambda x, w, s, l: gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, num_sms=4, interpret=True))
+    for layer in (2, 0):
+        y = f(x, w, s, jnp.int32(layer))
+        assert_close(y, reference.decode_matmul_reference(x, w[layer], w_scale=s[layer]), seed, 1e-2)
+
+
+@pytest.mark.parametrize("kind,layers", [("bf16", None), ("block", 2)])
+def test_gate_up_fused_kernel(kind, layers):
+    rng, seed = fresh_rng()
+    x, wg, sg = make_case(rng, 11, 256, 256, kind, layers)
+    _, wu, su = make_case(rng, 11, 256, 256, kind, layers)
+    layer = None if layers is None else 1
+    h = gpu.gate_up_silu_gpu(x, wg, wu, gate_scale=sg, up_scale=su, layer=layer, num_sms=3, interpret=True)
+    pick = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])
+    r = reference.gate_up_silu_reference(x, pick(wg), pick(wu), gate_scale=pick(sg), up_scale=pick(su))
+    assert_close(h, r, seed, 2e-2 if kind == "block" else 8e-3)
+
+
+def test_gate_up_large_t_falls_back_to_two_launches():
+    rng, seed = fresh_rng()
+    x, wg, _ = make_case(rng, 136, 256, 128, "bf16")      # M=2 at Tp=136 exceeds the register budget
+    _, wu, _ = make_case(rng, 136, 256, 128, "bf16")
+    assert gpu.plan_for(x, [wg, wu], [None, None], None, 4)[0] is None
+    h = gate_up_silu(x, wg, wu, impl="gpu")
+    assert_close(h, reference.gate_up_silu_reference(x, wg, wu), seed, 8e-3)
+
+
+# ---- lowering for cuda (no GPU needed) -------------------------------------------------------
+
+@pytest.mark.parametrize("t,kind,mats,layers", [(1, "bf16", 1, 4), (33, "block", 2, 3), (128, "channel", 1, None),
+                                                (256, "bf16", 1, None)])
+def test_lowers_for_cuda(t, kind, mats, layers):
+    d, f = 1024, 2048
+    pre = () if layers is None else (layers,)
+    x = jax.ShapeDtypeStruct((t, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(pre + (d, f), jnp.bfloat16 if kind == "bf16" else FP8)
+    s = {"bf16": None, "channel": jax.ShapeDtypeStruct(pre + (f,), jnp.float32),
+         "block": jax.ShapeDtypeStruct(pre + (d // 128, f // 128), jnp.float32)}[kind]
+    lay = None if layers is None else jax.ShapeDtypeStruct((), jnp.int32)
+    if mats == 1:
+        fn = lambda x, w, s, l: gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, num_sms=132)
+    else:
+        fn = lambda x, w, s, l: gpu.gate_up_silu_gpu(x, w, w, gate_scale=s, up_scale=s, layer=l, num_sms=132)
+    text = jax.jit(fn).trace(x, w, s, lay).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ---- XLA (TPU) path ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "channel", "block"])
+def test_xla_path_matches_reference(kind):
+    rng, seed = fresh_rng()
+    x, w, s = make_case(rng, 6, 256, 384, kind, layers=2)
+    y = jax.jit(lambda x, w, s, l: tpu.decode_matmul_xla(x, w, w_scale=s, layer=l))(x, w, s, jnp.int32(1))
+    pick = None if s is None else s[1]
+    assert_close(y, reference.decode_matmul_reference(x, w[1], w_scale=pick), seed, 1e-2 if kind == "block" else 4e-3)
+
+
+def test_xla_path_exports_for_tpu():
+    x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 256), FP8)
+    s = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    exp = jax.export.export(jax.jit(lambda x, w, s: decode_matmul(x, w, w_scale=s, impl="tpu")),
+                            platforms=["tpu"])(x, w, s)
+    assert exp.out_avals[0].shape == (8, 256)
+
+
+# ---- dispatch, checks, flags -----------------------------------------------------------------
+
+def test_dispatch_auto_on_cpu_is_reference_and_gpu_runs_interpreted():
+    rng, seed = fresh_rng()
+    x, w, s = make_case(rng, 3, 256, 128, "channel")
+    r = reference.decode_matmul_reference(x, w, w_scale=s)
+    np.testing.assert_array_equal(f32(decode_matmul(x, w, w_scale=s)), f32(r))
+    assert_close(decode_matmul(x, w, w_scale=s, impl="gpu"), r, seed, 4e-3)
+    assert_close(decode_matmul(x, w, w_scale=s, impl="xla"), r, seed, 4e-3)
+
+
+def test_dispatch_falls_back_with_warning_on_gpu_backend(monkeypatch, caplog):
+    rng, seed = fresh_rng()
+    x, w, _ = make_case(rng, 2, 200, 128, "bf16")           # D=200: no tile divides it
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+        y = decode_matmul(x, w)
+    assert any("falling back" in m for m in caplog.messages)
+    np.testing.assert_array_equal(f32(y), f32(reference.decode_matmul_reference(x, w)))
+    with pytest.raises(ValueError, match="can't take"):
+        decode_matmul(x, w, impl="gpu")
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    w = jnp.ones((256, 128), jnp.bfloat16)
+    w8 = jnp.ones((256, 128), FP8)
+    with pytest.raises(ValueError, match="2-D"):
+        decode_matmul(x[0], w)
+    with pytest.raises(ValueError, match="disagree on D"):
+        decode_matmul(x, w[:128])
+    with pytest.raises(ValueError, match="only meaningful for fp8"):
+        decode_matmul(x, w, w_scale=jnp.ones((128,), jnp.float32))
+    with pytest.raises(ValueError, match="ceil"):
+        decode_matmul(x, w8, w_scale=jnp.ones((3, 1), jnp.float32))
+    with pytest.raises(TypeError, match="float32"):
+        decode_matmul(x, w8, w_scale=jnp.ones((128,), jnp.bfloat16))
+    with pytest.raises(ValueError, match="need layer="):
+        decode_matmul(x, w[None])
+    with pytest.raises(ValueError, match="not stacked"):
+        decode_matmul(x, w, layer=0)
+    with pytest.raises(TypeError, match="x must be"):
+        decode_matmul(x.astype(jnp.int32), w)
+    with pytest.raises(ValueError, match="impl must be"):
+        decode_matmul(x, w, impl="cuda")
+    with pytest.raises(ValueError, match="must match"):
+        gate_up_silu(x, w, w[:, :64])
+
+
+def test_flags():
+    assert xla_flags_for_decode("gpu") == [] and xla_flags_for_decode("tpu") == []
+    with pytest.raises(ValueError, match="backend"):
+        xla_flags_for_decode("rocm")
+    merged = merged_xla_flags("--a=1 --xla_gpu_enable_triton_gemm=true", extra=("--xla_gpu_enable_triton_gemm=false", "--b=2"))
+    assert merged == "--a=1 --xla_gpu_enable_triton_gemm=true --b=2"

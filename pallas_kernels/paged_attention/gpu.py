@@ -182,16 +182,19 @@ def _kernel(cfg: KernelConfig, *refs):
   kdst = kq_smem if cfg.fp8 else k_smem
   vdst = vq_smem if cfg.fp8 else v_smem
 
-  def issue(b, slot):
+  def block_pages(b):
+    """Physical page ids (scalar loads) of block b: ppb pages, or the one page b is a slice of."""
+    return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
+
+  def issue(b, slot, pages=None):
     """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
+    pages = block_pages(b) if pages is None else pages
     if spp == 1:
-      for j in range(ppb):
-        pg = page_of(b * ppb + j)
+      for j, pg in enumerate(pages):
         plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
         plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
     else:
-      pg = page_of(b // spp)
-      off = (b % spp) * BK
+      pg, off = pages[0], (b % spp) * BK
       plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
       plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
 
@@ -235,6 +238,13 @@ def _kernel(cfg: KernelConfig, *refs):
     acc, m_i, l_i = carry
     b = b_lo + step
     slot = lax.rem(step, cfg.stages)
+    # Scalar loads first, so their latency hides behind the barrier wait and the matmuls: the page ids of the
+    # block this step will prefetch, and (fp8) the scales of the pages being computed now.
+    next_pages = block_pages(b + cfg.stages)
+    if cfg.fp8:
+      cur_pages = block_pages(b)
+      k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
+      v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
     plgpu.barrier_wait(bars.at[slot])
 
     if cfg.fp8:
@@ -258,17 +268,14 @@ def _kernel(cfg: KernelConfig, *refs):
       else:
         pos = b * BK + col
       if cfg.fp8:
-        pgs = [page_of(i) for i in idxs]
-        ksc = per_page_vector([sc_ref[pg, 2 * k] for pg in pgs])
-        vsc = per_page_vector([sc_ref[pg, 2 * k + 1] for pg in pgs])
+        ksc, vsc = per_page_vector(k_scales), per_page_vector(v_scales)
     else:
       if cfg.sparse:
         pos = logical_page(b // spp) * G + (b % spp) * BK + col
       else:
         pos = b * BK + col
       if cfg.fp8:
-        pg = page_of(b // spp)
-        ksc, vsc = sc_ref[pg, 2 * k], sc_ref[pg, 2 * k + 1]
+        ksc, vsc = k_scales[0], v_scales[0]
 
     logits = logits * cfg.scale
     if cfg.fp8:
@@ -306,7 +313,7 @@ def _kernel(cfg: KernelConfig, *refs):
 
     @pl.when(step + cfg.stages < n_steps)
     def _():
-      issue(b + cfg.stages, slot)
+      issue(b + cfg.stages, slot, next_pages)
     return acc, m_new, l_i
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)

@@ -1,0 +1,456 @@
+"""Paged attention on a GPU: correctness against the jnp reference, then speed (issue 4).
+
+Sections (each writes its results into the JSON as soon as it finishes, so a run cut short keeps them):
+  ceiling     HBM copy bandwidth measured in the same run (torch device-to-device copy, read + write bytes;
+              and a JAX copy) - the bandwidth the decode kernel is compared with.
+  correctness Mosaic GPU kernels vs the reference on random small problems (decode, fp8, ragged, sparse).
+  decode      decode attention, batch x context x GQA, 8 kv heads x 128, page 16: kernel time, achieved KV
+              bandwidth, % of the copy ceiling, speed-up over the jnp reference and over JAX's deprecated
+              Triton paged_attention op where it runs.
+  fp8         fp8 (e4m3fn, e5m2) KV time vs bf16 on the same shapes.
+  sparse      sparse decode (10% of pages) vs dense at 32k context.
+  tuning      block size / stages / splits variants.
+  prefill     ragged prefill kernel vs the reference.
+
+Usage: python3 benchmarks/bench_paged_attention.py --out results.json   (on the H200)
+       python3 benchmarks/bench_paged_attention.py --smoke             (CPU: tiny shapes, interpreted kernels)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TORCH_COPY = r"""
+import json, torch
+x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+ts = []
+for _ in range(10):
+    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
+ts.sort(); ms = ts[len(ts) // 2]
+print(json.dumps({"torch_copy_TBps": 2 * x.numel() / (ms * 1e-3) / 1e12, "bytes": x.numel(), "ms": ms}))
+"""
+
+
+def torch_copy_ceiling():
+  try:
+    out = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+  except Exception as e:  # noqa: BLE001
+    return {"error": repr(e)}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels, CPU")
+  ap.add_argument("--out", default="paged_attention_bench.json")
+  ap.add_argument("--time-limit", type=float, default=480.0, help="skip remaining sections after this many s")
+  ap.add_argument("--sections", default="ceiling,correctness,decode,fp8,sparse,triton,tuning,prefill")
+  args = ap.parse_args()
+  sections = args.sections.split(",")
+  t_start = time.time()
+  res = {"sections_done": [], "skipped": []}
+
+  def save():
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1, default=str)
+
+  if "ceiling" in sections and not args.smoke:
+    res["ceiling"] = torch_copy_ceiling()  # before JAX grabs the GPU memory
+    save()
+
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.paged_attention import gpu, reference, sparse
+
+  smoke = args.smoke
+  impl_interp = smoke
+  res["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "smoke": smoke,
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+  try:
+    res["meta"]["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+  except Exception:  # noqa: BLE001
+    pass
+
+  # ---------------------------------------------------------------- timing
+  def timeit(f, *a, iters=5):
+    """Median kernel time in ms (CUPTI sum over the call's kernels; wall clock on CPU)."""
+    if not smoke:
+      try:
+        from jax.experimental.mosaic.gpu import profiler
+        _, ts = profiler.measure(f, iterations=iters)(*a)
+        if ts:
+          return float(statistics.median(ts))
+      except Exception as e:  # noqa: BLE001
+        res.setdefault("timing_fallbacks", []).append(repr(e)[:200])
+    jax.block_until_ready(f(*a))
+    ts = []
+    for _ in range(iters if not smoke else 2):
+      t = time.perf_counter()
+      jax.block_until_ready(f(*a))
+      ts.append((time.perf_counter() - t) * 1e3)
+    return float(statistics.median(ts))
+
+  def over_time():
+    return time.time() - t_start > args.time_limit
+
+  def section(name):
+    if name not in sections:
+      return False
+    if over_time():
+      res["skipped"].append(name)
+      save()
+      return False
+    print(f"== {name} ({time.time() - t_start:.0f}s)", flush=True)
+    return True
+
+  def done(name):
+    res["sections_done"].append(name)
+    save()
+
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+
+  # ---------------------------------------------------------------- ceiling (JAX side)
+  if section("ceiling"):
+    n = (64 if smoke else 2048) * 1024 * 1024
+    x = jnp.ones((n // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    ms = timeit(copy, x)
+    res.setdefault("ceiling", {})["jax_elementwise_TBps"] = 2 * n / (ms * 1e-3) / 1e12
+    del x
+    done("ceiling")
+  ceiling = res.get("ceiling", {}).get("torch_copy_TBps") or res.get("ceiling", {}).get("jax_elementwise_TBps")
+
+  rng = np.random.default_rng(0)
+
+  def rand_problem(S, K, g, H, G, Pmax, dtype=jnp.bfloat16, lens=None, P=None):
+    P = P or S * Pmax + 3
+    q = jnp.asarray(rng.standard_normal((S, K * g, H)), jnp.bfloat16)
+    kv = rng.standard_normal((P, G, 2 * K, H)).astype(np.float32)
+    sc = None
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+      sc = jnp.asarray(rng.uniform(0.005, 0.02, (P, 2 * K)), jnp.float32)
+      kv = jnp.asarray(kv / np.asarray(sc)[:, None, :, None] / 4).astype(dtype)
+    else:
+      kv = jnp.asarray(kv, dtype)
+    bt = jnp.asarray(rng.permutation(P)[: S * Pmax].reshape(S, Pmax), jnp.int32)
+    if lens is None:
+      lens = rng.integers(1, Pmax * G + 1, S)
+    return q, kv, bt, jnp.asarray(lens, jnp.int32), sc
+
+  # ---------------------------------------------------------------- correctness
+  if section("correctness"):
+    rows = []
+
+    def record(name, out, ref):
+      o, r = f32(out), f32(ref)
+      err = float(np.max(np.abs(o - r))) if o.size else 0.0
+      row = {"case": name, "max_abs_err": err, "nan": int(np.isnan(o).sum()), "ok": bool(err < 3e-2 and
+                                                                                         not np.isnan(o).any())}
+      rows.append(row)
+      print(f"  {name:48s} err {err:.2e} {'OK' if row['ok'] else 'FAIL'}", flush=True)
+
+    dec_cases = [
+        ("decode g4 G16 H128", dict(S=5, K=8, g=4, H=128, G=16, Pmax=40), {}),
+        ("decode g8 G16 H128 window+cap", dict(S=3, K=8, g=8, H=128, G=16, Pmax=40), dict(sliding_window=100,
+                                                                                         soft_cap=20.0)),
+        ("decode g4 G64 H128 splits=3", dict(S=3, K=4, g=4, H=128, G=64, Pmax=12), dict(splits=3)),
+        ("decode g4 G256 H128", dict(S=2, K=2, g=4, H=128, G=256, Pmax=4), {}),
+        ("decode g3 K3 G16 H64 (N=9)", dict(S=4, K=3, g=3, H=64, G=16, Pmax=20), {}),
+        ("decode g1 G32 H128", dict(S=3, K=8, g=1, H=128, G=32, Pmax=16), {}),
+    ]
+    for name, shp, kw in dec_cases:
+      q, kv, bt, lens, sc = rand_problem(**shp)
+      lens = lens.at[0].set(0)
+      out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp, **kw)
+      kw.pop("splits", None)
+      record(name, out, reference.paged_decode_attention_reference(q, kv, bt, lens, **kw))
+    for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+      q, kv, bt, lens, sc = rand_problem(S=4, K=8, g=4, H=128, G=16, Pmax=40, dtype=dt)
+      out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=impl_interp)
+      record(f"decode fp8 {jnp.dtype(dt).name}", out,
+             reference.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc))
+    # ragged prefill / mixed
+    for name, dt, kw in (("ragged bf16 g4", jnp.bfloat16, {}), ("ragged bf16 g8 window", jnp.bfloat16,
+                                                                 dict(sliding_window=50)),
+                         ("ragged fp8 e4m3 g4", jnp.float8_e4m3fn, {})):
+      g = 8 if "g8" in name else 4
+      q_lens = np.array([37, 0, 1, 130, 5])
+      extra = np.array([10, 0, 200, 0, 60])
+      G, Pmax = 16, 24
+      _, kv, bt, _, sc = rand_problem(S=5, K=4, g=g, H=128, G=G, Pmax=Pmax, dtype=dt)
+      lens = jnp.asarray(np.minimum(q_lens + extra, Pmax * G), jnp.int32)
+      cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+      T = int(cu[-1]) + 7
+      qT = jnp.asarray(rng.standard_normal((T, 4 * g, 128)), jnp.bfloat16)
+      out = gpu.paged_attention_gpu(qT, kv, bt, lens, cu, kv_scales_PK=sc, interpret=impl_interp, **kw)
+      record(name, out, reference.paged_attention_reference(qT, kv, bt, lens, cu, kv_scales_PK=sc, **kw))
+    # sparse
+    for dt in (jnp.bfloat16, jnp.float8_e4m3fn):
+      q, kv, bt, lens, sc = rand_problem(S=3, K=4, g=4, H=128, G=16, Pmax=40, dtype=dt, lens=[600, 37, 400])
+      kmin = jnp.asarray(rng.standard_normal((kv.shape[0], 4, 128)), jnp.float32)
+      kmax = kmin + 1.0
+      out, (phys, logical, count) = sparse.paged_sparse_decode_attention(
+          q, kv, bt, lens, kmin, kmax, num_sink_pages=1, num_window_pages=2, top_k_pages=5, kv_scales_PK=sc,
+          impl="gpu_interpret" if smoke else "gpu", return_selection=True)
+      record(f"sparse {jnp.dtype(dt).name}", out,
+             sparse.sparse_decode_attention_reference(q, kv, bt, lens, logical, kv_scales_PK=sc))
+    res["correctness"] = rows
+    done("correctness")
+
+  # ---------------------------------------------------------------- decode matrix
+  K, H, G = 8, 128, 16
+  if smoke:
+    batches, contexts, groups = (1, 2), (128, 256), (4,)
+  else:
+    batches, contexts, groups = (1, 8, 32, 128), (1024, 8192, 32768), (4, 8)
+  max_tokens = max(batches) * max(contexts)
+  P_total = max_tokens // G + 64
+  small = jnp.asarray(rng.standard_normal((64, G, 2 * K, H)), jnp.bfloat16)
+  pool = None
+
+  def get_pool():
+    nonlocal pool
+    if pool is None:
+      pool = jax.jit(lambda s: jnp.tile(s, (P_total // 64 + 1, 1, 1, 1))[:P_total])(small)
+    return pool
+
+  perm = jnp.asarray(rng.permutation(P_total), jnp.int32)
+
+  def decode_inputs(S, L, g):
+    Pmax = L // G
+    bt = perm[: S * Pmax].reshape(S, Pmax)
+    lens = jnp.full((S,), L, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((S, K * g, H)), jnp.bfloat16)
+    return q, bt, lens
+
+  def kv_bytes(S, L, itemsize):
+    return S * L * K * 2 * H * itemsize
+
+  if section("decode"):
+    rows = []
+    kv = get_pool()
+    for g in groups:
+      for L in contexts:
+        for S in batches:
+          if over_time():
+            break
+          q, bt, lens = decode_inputs(S, L, g)
+          f = jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp))
+          row = {"S": S, "L": L, "g": g}
+          try:
+            row["ms"] = timeit(f, q, kv, bt, lens)
+            row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
+            if ceiling:
+              row["pct_ceiling"] = 100 * row["TBps"] / ceiling
+          except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:300]
+          if S * L <= 256 * 1024 and "ms" in row:
+            fr = jax.jit(lambda q, kv, bt, lens: reference.paged_decode_attention_reference(q, kv, bt, lens))
+            try:
+              row["ref_ms"] = timeit(fr, q, kv, bt, lens, iters=3)
+              row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
+              row["max_err_vs_ref"] = float(np.max(np.abs(f32(f(q, kv, bt, lens)) - f32(fr(q, kv, bt, lens)))))
+            except Exception as e:  # noqa: BLE001
+              row["ref_error"] = repr(e)[:300]
+          rows.append(row)
+          print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+          res["decode"] = rows
+          save()
+    done("decode")
+
+  # ---------------------------------------------------------------- fp8
+  if section("fp8"):
+    rows = []
+    kv_bf16 = get_pool()
+    sc = jnp.full((P_total, 2 * K), 0.01, jnp.float32)
+    cases = [(min(8, batches[-1]), contexts[1], groups[-1]), (batches[-1], contexts[-1], groups[-1]),
+             (1, contexts[-1], groups[0])]
+    for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+      kv8 = jax.jit(lambda s: jnp.tile((s * 100).astype(dt), (P_total // 64 + 1, 1, 1, 1))[:P_total])(small)
+      for S, L, g in cases:
+        if over_time():
+          break
+        if dt == jnp.float8_e5m2 and S != cases[1][0]:
+          continue
+        q, bt, lens = decode_inputs(S, L, g)
+        f8 = jax.jit(lambda q, kv, bt, lens, sc: gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc,
+                                                                                interpret=impl_interp))
+        fb = jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp))
+        row = {"dtype": jnp.dtype(dt).name, "S": S, "L": L, "g": g}
+        try:
+          row["fp8_ms"] = timeit(f8, q, kv8, bt, lens, sc)
+          row["bf16_ms"] = timeit(fb, q, kv_bf16, bt, lens)
+          row["fp8_over_bf16"] = row["fp8_ms"] / row["bf16_ms"]
+          row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001
+          row["error"] = repr(e)[:300]
+        rows.append(row)
+        print("  ", row, flush=True)
+        res["fp8"] = rows
+        save()
+      del kv8
+    done("fp8")
+
+  # ---------------------------------------------------------------- sparse
+  if section("sparse"):
+    rows = []
+    kv = get_pool()
+    L = contexts[-1]
+    npages = L // G
+    kmin = jax.jit(lambda: jnp.tile(jnp.asarray(rng.standard_normal((64, K, H)), jnp.bfloat16),
+                                    (P_total // 64 + 1, 1, 1))[:P_total])()
+    kmax = kmin + 1
+    sel = dict(num_sink_pages=2, num_window_pages=8, top_k_pages=max(1, npages // 10 - 10))
+    for S, g in ((1, 8), (32 if not smoke else 2, 8), (32 if not smoke else 2, 4)):
+      if over_time():
+        break
+      q, bt, lens = decode_inputs(S, L, g)
+      impl = "gpu_interpret" if smoke else "gpu"
+      fs = jax.jit(lambda q, kv, bt, lens, a, b: sparse.paged_sparse_decode_attention(q, kv, bt, lens, a, b,
+                                                                                      impl=impl, **sel))
+      fsel = jax.jit(lambda q, a, b, bt, lens: sparse.select_pages(q, a, b, bt, lens, page_size=G, **sel))
+      fd = jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp))
+      row = {"S": S, "L": L, "g": g, "pages": npages, "selected": sparse.budget(**sel, table_cols=npages)}
+      try:
+        row["sparse_ms"] = timeit(fs, q, kv, bt, lens, kmin, kmax)
+        row["select_ms"] = timeit(fsel, q, kmin, kmax, bt, lens)
+        row["dense_ms"] = timeit(fd, q, kv, bt, lens)
+        row["sparse_over_dense"] = row["sparse_ms"] / row["dense_ms"]
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+      rows.append(row)
+      print("  ", row, flush=True)
+      res["sparse"] = rows
+      save()
+    done("sparse")
+
+  # ---------------------------------------------------------------- Triton (deprecated JAX op)
+  if section("triton") and not smoke:
+    rows = []
+    try:
+      import warnings
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as triton_pa
+      kv = get_pool()
+      k_pages = jnp.transpose(kv[:, :, 0::2], (2, 0, 1, 3))  # [K, P, G, H]
+      v_pages = jnp.transpose(kv[:, :, 1::2], (2, 0, 1, 3))
+      for g in groups:
+        for L in contexts:
+          for S in batches:
+            if over_time():
+              break
+            q, bt, lens = decode_inputs(S, L, g)
+            ft = jax.jit(lambda q, kp, vp, bt, lens: triton_pa(q * (1.0 / np.sqrt(H)), kp, vp, bt, lens))
+            row = {"S": S, "L": L, "g": g}
+            try:
+              row["triton_ms"] = timeit(ft, q, k_pages, v_pages, bt, lens)
+            except Exception as e:  # noqa: BLE001
+              row["error"] = repr(e)[:300]
+            rows.append(row)
+            print("  ", row, flush=True)
+            res["triton"] = rows
+            save()
+      del k_pages, v_pages
+    except Exception as e:  # noqa: BLE001
+      res["triton_error"] = repr(e)[:500]
+    done("triton")
+
+  # ---------------------------------------------------------------- tuning
+  if section("tuning"):
+    rows = []
+    kv = get_pool()
+    variants = [(64, 2), (64, 4), (64, 6), (128, 2), (128, 3), (128, 4)] if not smoke else [(64, 2)]
+    probes = [(32 if not smoke else 2, contexts[1], 4), (1, contexts[-1], 8)]
+    for S, L, g in probes:
+      q, bt, lens = decode_inputs(S, L, g)
+      for bk, st in variants:
+        for splits in ((None,) if S > 1 else (None, 64, 128)):
+          if over_time():
+            break
+          f = jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, block_kv=bk, stages=st,
+                                                                             splits=splits, interpret=impl_interp))
+          row = {"S": S, "L": L, "g": g, "block_kv": bk, "stages": st, "splits": splits}
+          try:
+            row["ms"] = timeit(f, q, kv, bt, lens)
+            row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
+          except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:200]
+          rows.append(row)
+          print("  ", row, flush=True)
+          res["tuning"] = rows
+          save()
+    done("tuning")
+
+  # ---------------------------------------------------------------- prefill
+  if section("prefill"):
+    rows = []
+    for S, ql, g in ((4, 2048 if not smoke else 64, 4), (1, 8192 if not smoke else 64, 8)):
+      if over_time():
+        break
+      Pmax = ql // G
+      P = S * Pmax + 4
+      kvp = jnp.asarray(rng.standard_normal((P, G, 2 * K, H)), jnp.bfloat16)
+      bt = jnp.asarray(rng.permutation(P)[: S * Pmax].reshape(S, Pmax), jnp.int32)
+      lens = jnp.full((S,), ql, jnp.int32)
+      cu = jnp.arange(S + 1, dtype=jnp.int32) * ql
+      qT = jnp.asarray(rng.standard_normal((S * ql, K * g, H)), jnp.bfloat16)
+      fk = jax.jit(lambda *a: gpu.paged_attention_gpu(*a, interpret=impl_interp))
+      fr = jax.jit(lambda *a: reference.paged_attention_reference(*a))
+      row = {"S": S, "q_len": ql, "g": g}
+      try:
+        row["ms"] = timeit(fk, qT, kvp, bt, lens, cu)
+        flops = 4 * S * (ql * (ql + 1) / 2) * K * g * H
+        row["TFLOPs"] = flops / (row["ms"] * 1e-3) / 1e12
+        row["ref_ms"] = timeit(fr, qT, kvp, bt, lens, cu, iters=2)
+        row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
+        row["max_err_vs_ref"] = float(np.max(np.abs(f32(fk(qT, kvp, bt, lens, cu)) - f32(fr(qT, kvp, bt, lens, cu)))))
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+      rows.append(row)
+      print("  ", row, flush=True)
+      res["prefill"] = rows
+      save()
+    done("prefill")
+
+  res["elapsed_s"] = time.time() - t_start
+  save()
+  print_table(res)
+
+
+def print_table(res):
+  c = res.get("ceiling", {})
+  print(f"\nceiling: torch copy {c.get('torch_copy_TBps')} TB/s, jax elementwise {c.get('jax_elementwise_TBps')} TB/s")
+  tri = {(r["S"], r["L"], r["g"]): r.get("triton_ms") for r in res.get("triton", [])}
+  print(f"{'S':>4} {'L':>6} {'g':>2} {'ms':>8} {'TB/s':>6} {'%ceil':>6} {'ref ms':>8} {'x ref':>6} {'triton':>8} {'x tri':>6}")
+  for r in res.get("decode", []):
+    t = tri.get((r["S"], r["L"], r["g"]))
+    ms = r.get("ms")
+    print(f"{r['S']:>4} {r['L']:>6} {r['g']:>2} {ms or float('nan'):8.3f} {r.get('TBps', float('nan')):6.2f} "
+          f"{r.get('pct_ceiling', float('nan')):6.1f} {r.get('ref_ms', float('nan')):8.3f} "
+          f"{r.get('speedup_vs_ref', float('nan')):6.2f} {t or float('nan'):8.3f} "
+          f"{(t / ms) if (t and ms) else float('nan'):6.2f}")
+  for r in res.get("fp8", []):
+    print("fp8", r)
+  for r in res.get("sparse", []):
+    print("sparse", r)
+  for r in res.get("prefill", []):
+    print("prefill", r)
+
+
+if __name__ == "__main__":
+  main()

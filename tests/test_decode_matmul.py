@@ -219,6 +219,10 @@ def test_dispatch_auto_on_cpu_is_reference_and_gpu_runs_interpreted():
     np.testing.assert_array_equal(f32(decode_matmul(x, w, w_scale=s)), f32(r))
     assert_close(decode_matmul(x, w, w_scale=s, impl="gpu"), r, seed, 4e-3)
     assert_close(decode_matmul(x, w, w_scale=s, impl="xla"), r, seed, 4e-3)
+    _, ws, ss = make_case(rng, 3, 256, 128, "block", layers=2)
+    rs = reference.decode_matmul_reference(x, ws[1], w_scale=ss[1])
+    np.testing.assert_array_equal(f32(decode_matmul(x, ws, w_scale=ss, layer=1)), f32(rs))
+    assert_close(decode_matmul(x, ws, w_scale=ss, layer=jnp.int32(1), impl="gpu"), rs, seed, 1e-2)
 
 
 def test_dispatch_falls_back_with_warning_on_gpu_backend(monkeypatch, caplog):

@@ -25,6 +25,10 @@ the H200's ~4.3 (issue 9). This kernel is built only to stream:
   pipeline step brings the same tile of each, and each has its own accumulator.
 
 The plan (tile sizes, runs, slots) is static Python computed from the shapes.
+
+Measured on an H200 (benchmarks/RESULTS.md, copy ceiling 4.24-4.28 TB/s): bf16 3.2-3.4 TB/s for
+the whole op on 117-235 MB matrices at T <= 8 (kernel alone up to 3.6), 2.1-2.6 on <= 50 MB
+matrices, falling with T (1.2-2.4 at T=128); fp8 with block scales 0.8-1.8 TB/s of fp8 bytes.
 """
 from __future__ import annotations
 

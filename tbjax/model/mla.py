@@ -108,7 +108,8 @@ def mla_apply(spec: ModelSpec, p, x_TD, cos_TR, sin_TR, attend, layer, cache):
     if getattr(attend, "mla_latent", False):
         q_lat = jnp.einsum("tnd,rnd->tnr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(dt)
         qa = jnp.concatenate([q_lat, q_rope], axis=-1)                       # [T, N, R + dr]
-        o_lat, cache = attend(layer, qa, lat[:, None, :], lat[:, None, :], cache)
+        kv = lat[:, None, :]                                                  # [T, 1, C]: key and value
+        o_lat, cache = attend(layer, qa, kv, kv, cache)
         o = jnp.einsum("tnr,rnv->tnv", o_lat[..., :R], w_uv, preferred_element_type=jnp.float32).astype(dt)
     else:
         c, k_rope = lat[:, :R], lat[:, R:]

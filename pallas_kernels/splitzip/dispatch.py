@@ -21,8 +21,8 @@ import numpy as np
 
 from . import escapes, framing, gpu, reference, tpu
 from .codebook import Codebook
-from .layout import (DEFAULT_CHUNK, DTYPES, ROWS, Encoded, Geometry, check_chunk, dtype_spec,
-                     payload_bytes, raw_bytes)
+from .layout import (DEFAULT_CHUNK, DTYPES, MIN_CHUNK, ROWS, Encoded, Geometry, check_chunk,
+                     dtype_spec, payload_bytes, raw_bytes)
 
 IMPLS = ("auto", "numpy", "jnp", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
 KERNEL_IMPLS = ("gpu", "tpu", "gpu_interpret", "tpu_interpret")
@@ -41,6 +41,12 @@ def _pow2(n: int, lo: int = 1024) -> int:
 def default_capacity(n_pad: int) -> int:
     """Escape slots on device: 1/512 of the elements (real KV escapes ~1/1700), at least 1024."""
     return _pow2(n_pad // 512)
+
+
+def choose_chunk(n: int) -> int:
+    """Chunk size for n elements when the caller names none: 8192 (fewer counts, the fast kernel
+    shape) for large tensors, 1024 below 2**20 elements so that padding the last chunk stays small."""
+    return DEFAULT_CHUNK if n >= (1 << 20) else MIN_CHUNK
 
 
 def _platform(x) -> str:
@@ -134,21 +140,23 @@ def _raw_encoded(x, spec, chunk, codebook, on_host: bool) -> Encoded:
                    codebook_hash=codebook.hash if codebook is not None else b"")
 
 
-def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int = DEFAULT_CHUNK, *,
+def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int | None = None, *,
            capacity: int | None = None, cap_rows: int | None = None, allow_raw: bool = True,
            **opts) -> Encoded:
     """Encode one tensor (bfloat16 / float8_e5m2 split; float8_e4m3fn passes through raw).
 
+    chunk: a power of two in [1024, 32768]; None picks by size (choose_chunk).
     Returns an Encoded whose arrays live on the device for device impls (escape arrays padded to a
     static capacity; `n_esc` is exact) and on the host for impl="numpy". allow_raw=False keeps the
     split format even when it is larger than raw (tests). Kernel options (GPU):
     lookup="auto"|"range"|"chain", slots=int, group=int.
     """
     spec = _check_x(x)
-    chunk = check_chunk(chunk)
+    n = int(np.prod(x.shape, dtype=np.int64))
+    chunk = check_chunk(choose_chunk(n) if chunk is None else chunk)
     _check_cb(spec, codebook)
     impl = resolve_impl(impl, x, spec.name, "encode")
-    geo = Geometry(int(np.prod(x.shape, dtype=np.int64)), chunk)
+    geo = Geometry(n, chunk)
     if geo.n_pad >= 2**31:
         raise ValueError(f"splitzip: {geo.n} elements is too many for one stream (< 2**31); "
                          "encode the tensor in parts")
@@ -252,7 +260,7 @@ def decode(enc: Encoded, codebook: Codebook | None, impl: str = "auto", **opts):
 # KV pages <-> one framed buffer
 # ----------------------------------------------------------------------------------------------
 def encode_pages(pages: Sequence, codebook: Codebook | None, impl: str = "auto",
-                 chunk: int = DEFAULT_CHUNK, *, embed_codebook: bool = True, **opts) -> bytes:
+                 chunk: int | None = None, *, embed_codebook: bool = True, **opts) -> bytes:
     """Encode the pages of one layer (same dtype, any shapes) into one framed buffer."""
     if isinstance(pages, (np.ndarray, jax.Array)) or not isinstance(pages, Sequence):
         raise TypeError("splitzip: encode_pages expects a list of page arrays")

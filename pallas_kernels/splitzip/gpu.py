@@ -159,7 +159,7 @@ def encode_kernel(nch: int, lanes: int, cb: Codebook, *, lookup: str = "auto", s
                 jax.ShapeDtypeStruct((nch,), jnp.int32),
                 jax.ShapeDtypeStruct((nch, nslot), jnp.int32))
     return plgpu.kernel(body, out_type=out_type, grid=(nch // group,), grid_names=("g",),
-                        interpret=plgpu.InterpretGPUParams() if interpret else None)
+                        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -195,4 +195,4 @@ def decode_kernel(nch: int, lanes: int, cb: Codebook, *, lut: str = "swar", grou
 
     out_type = jax.ShapeDtypeStruct((nch, ROWS, lanes), jnp.uint16)
     return plgpu.kernel(body, out_type=out_type, grid=(nch // group,), grid_names=("g",),
-                        interpret=plgpu.InterpretGPUParams() if interpret else None)
+                        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None)

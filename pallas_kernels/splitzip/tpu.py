@@ -52,7 +52,7 @@ def encode_kernel(nch: int, lanes: int, cb: Codebook, *, lookup: str = "auto", i
         out_shape=[jax.ShapeDtypeStruct((2 * nch, lanes), jnp.uint32),
                    jax.ShapeDtypeStruct((nch, lanes), jnp.uint32),
                    jax.ShapeDtypeStruct((nch, 128), jnp.int32)],
-        interpret=pltpu.InterpretParams() if interpret else False)
+        interpret=pltpu.InterpretParams(uninitialized_memory="nan") if interpret else False)
 
 
 @functools.lru_cache(maxsize=64)
@@ -83,4 +83,4 @@ def decode_kernel(nch: int, lanes: int, cb: Codebook, *, interpret: bool = False
                   pl.BlockSpec((g, lanes), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((ROWS * g, lanes), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((ROWS * nch, lanes), jnp.uint16),
-        interpret=pltpu.InterpretParams() if interpret else False)
+        interpret=pltpu.InterpretParams(uninitialized_memory="nan") if interpret else False)

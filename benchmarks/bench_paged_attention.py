@@ -374,7 +374,7 @@ def main():
   if section("tuning"):
     rows = []
     kv = get_pool()
-    variants = [(64, 2), (64, 4), (64, 6), (128, 2), (128, 3), (128, 4)] if not smoke else [(64, 2)]
+    variants = [(64, 3), (64, 4), (64, 6), (128, 2), (128, 3)] if not smoke else [(64, 2)]
     probes = [(32 if not smoke else 2, contexts[1], 4), (1, contexts[-1], 8)]
     for S, L, g in probes:
       q, bt, lens = decode_inputs(S, L, g)

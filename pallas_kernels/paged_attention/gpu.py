@@ -100,14 +100,35 @@ def _tiles(dtype, minor=128):
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def ring_scratch(cfg):
+  """Shared-memory types of the K/V ring: (k, v, kq, vq, p); None where unused."""
+  cdt, H = cfg.compute_dtype, cfg.H
+  ring = (cfg.stages, cfg.BK, H)
+  p = plgpu.SMEM((ROWS, cfg.BK), cdt, transforms=_tiles(cdt)) if cfg.p_via_smem else None
+  if cfg.fp8:
+    pool_dt = jnp.dtype(cfg.fp8)
+    return (plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)), plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
+            plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+            plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)), p)
+  return (plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), None, None, p)
+
+
+SMEM_LIMIT = 220 * 1024
+
+
+def smem_bytes(BK, H, stages, fp8, p_via_smem=False):
+  """Estimate of the kernel's shared memory: q tile + max(ring scope, output staging)."""
+  ring = stages * 2 * BK * H * (1 if fp8 else 2) + (2 * BK * H * 2 if fp8 else 0) + (ROWS * BK * 2 if p_via_smem else 0)
+  out = ROWS * H * 4 + 2 * ROWS * 4
+  return ROWS * H * 2 + max(ring, out) + 1024
+
+
 def choose_block(G: int, H: int, fp8: bool) -> tuple[int, int]:
-  """(BK tokens per step, stages): the ring gets what is left of ~200 KiB of smem after the fixed buffers."""
+  """(BK tokens per step, stages): as deep a ring as fits in shared memory (at most 6 stages)."""
   BK = 64 if G <= 64 else min(G, 128)
-  fixed = ROWS * H * 2 + ROWS * H * 4 + ROWS * BK * 2 + 1024  # q, output staging, p, barriers/misc
-  if fp8:
-    fixed += 2 * BK * H * 2  # f16 staging of K and V
-  per_stage = 2 * BK * H * (1 if fp8 else 2)
-  stages = max(2, min(6, (200 * 1024 - fixed) // per_stage))
+  stages = 6
+  while stages > 2 and smem_bytes(BK, H, stages, fp8) > SMEM_LIMIT:
+    stages -= 1
   return BK, stages
 
 
@@ -138,7 +159,7 @@ def _kernel(cfg: KernelConfig, *refs):
   o_ref = next(it)
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
-  q_smem, k_smem, v_smem, kq_smem, vq_smem, p_smem, bars, q_bar = (next(it) for _ in range(8))
+  q_smem, bars, q_bar = next(it), next(it), next(it)
 
   G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
   cdt = cfg.compute_dtype
@@ -148,7 +169,7 @@ def _kernel(cfg: KernelConfig, *refs):
     s = tile_ref[tile, 0]
     ntok = tile_ref[tile, 2]
     qpos0 = tile_ref[tile, 3]  # position of the tile's first query token
-    sp = jnp.int32(0)
+    sp = 0
   else:
     s = lax.axis_index("seq")
     sp = lax.axis_index("split")
@@ -158,13 +179,13 @@ def _kernel(cfg: KernelConfig, *refs):
   if cfg.sparse:
     nsel = nsel_ref[s, k]
     last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
-    first = jnp.int32(0)
+    first = 0
   elif cfg.ragged:
     last = jnp.where(ntok > 0, (qpos0 + ntok + BK - 1) // BK, 0)
-    first = jnp.int32(0) if cfg.window is None else jnp.maximum(qpos0 - cfg.window + 1, 0) // BK
+    first = 0 if cfg.window is None else jnp.maximum(qpos0 - cfg.window + 1, 0) // BK
   else:
     last = (kv_len + BK - 1) // BK
-    first = jnp.int32(0) if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
+    first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
   b_lo = first + sp * cfg.steps_per_split
   b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
   n_steps = jnp.maximum(b_hi - b_lo, 0)
@@ -179,147 +200,156 @@ def _kernel(cfg: KernelConfig, *refs):
       return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
     return idx
 
-  kdst = kq_smem if cfg.fp8 else k_smem
-  vdst = vq_smem if cfg.fp8 else v_smem
-
-  def block_pages(b):
-    """Physical page ids (scalar loads) of block b: ppb pages, or the one page b is a slice of."""
-    return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
-
-  def issue(b, slot, pages=None):
-    """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
-    pages = block_pages(b) if pages is None else pages
-    if spp == 1:
-      for j, pg in enumerate(pages):
-        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
-    else:
-      pg, off = pages[0], (b % spp) * BK
-      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
-      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
-
   # q rows. Decode: a 64-row window of heads containing kv head k's group. Ragged: 64/g tokens x g heads.
   if cfg.ragged:
-    local = jnp.int32(0)
+    local = 0
     plgpu.copy_gmem_to_smem(q_ref.at[tile, k], q_smem, q_bar)
   else:
     # TMA into 8-row smem tiles needs an 8-aligned gmem row: N is padded to a multiple of 8 and the window
     # starts at the group's first head rounded down to 8 (g <= 56 keeps the whole group inside).
-    r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS) if cfg.N > ROWS else jnp.int32(0)
+    r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS) if cfg.N > ROWS else 0  # python int: static slice
     local = k * g - r0
     if cfg.R == ROWS:
       plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
     else:
       plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
 
-  for i in range(cfg.stages):
-    @pl.when(i < n_steps)
-    def _():
-      issue(b_lo + i, i)
+  # The K/V ring (and fp8/p staging) lives in a scope that closes before the output staging is allocated, so
+  # the two share shared memory.
+  ring_types = ring_scratch(cfg)
 
-  plgpu.barrier_wait(q_bar)
+  def pipeline(*allocated):
+    got = iter(allocated)
+    k_smem, v_smem, kq_smem, vq_smem, p_smem = (next(got) if t is not None else None for t in ring_types)
+    kdst = kq_smem if cfg.fp8 else k_smem
+    vdst = vq_smem if cfg.fp8 else v_smem
 
-  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
-  if cfg.ragged:
-    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
-    qpos = qpos0 + row // g  # [ROWS, BK]: position of each row's query token
+    def block_pages(b):
+      """Physical page ids (scalar loads) of block b: ppb pages, or the one page b is a slice of."""
+      return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
 
-  def per_page_vector(values):
-    """A [ROWS, BK] array whose column c holds values[c // G] (static list of ppb scalars)."""
-    if len(values) == 1:
-      return values[0]
-    page_col = col // G
-    res = values[-1]
-    for j in range(len(values) - 2, -1, -1):
-      res = jnp.where(page_col == j, values[j], res)
-    return res
-
-  def body(step, carry):
-    acc, m_i, l_i = carry
-    b = b_lo + step
-    slot = lax.rem(step, cfg.stages)
-    # Scalar loads first, so their latency hides behind the barrier wait and the matmuls: the page ids of the
-    # block this step will prefetch, and (fp8) the scales of the pages being computed now.
-    next_pages = block_pages(b + cfg.stages)
-    if cfg.fp8:
-      cur_pages = block_pages(b)
-      k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
-      v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
-    plgpu.barrier_wait(bars.at[slot])
-
-    if cfg.fp8:
-      kslot, vslot = k_smem, v_smem
-      kslot[...] = kq_smem[slot].astype(cdt)
-      vslot[...] = vq_smem[slot].astype(cdt)
-      plgpu.commit_smem()
-    else:
-      kslot, vslot = k_smem.at[slot], v_smem.at[slot]
-
-    def qk_fn(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, kslot.transpose((1, 0)))
-      return acc_ref[...]
-    logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
-
-    # Per-column page data: logical token positions and fp8 scales.
-    if spp == 1:
-      idxs = [b * ppb + j for j in range(ppb)]
-      if cfg.sparse:
-        pos = per_page_vector([logical_page(i) * G for i in idxs]) + col % G
+    def issue(b, slot, pages=None):
+      """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
+      pages = block_pages(b) if pages is None else pages
+      if spp == 1:
+        for j, pg in enumerate(pages):
+          plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
+          plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
       else:
-        pos = b * BK + col
-      if cfg.fp8:
-        ksc, vsc = per_page_vector(k_scales), per_page_vector(v_scales)
-    else:
-      if cfg.sparse:
-        pos = logical_page(b // spp) * G + (b % spp) * BK + col
-      else:
-        pos = b * BK + col
-      if cfg.fp8:
-        ksc, vsc = k_scales[0], v_scales[0]
+        pg, off = pages[0], (b % spp) * BK
+        plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
 
-    logits = logits * cfg.scale
-    if cfg.fp8:
-      logits = logits * ksc
-    if cfg.soft_cap is not None:
-      logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
-    valid = pos < kv_len
+    for i in range(cfg.stages):
+      @pl.when(i < n_steps)
+      def _():
+        issue(b_lo + i, i)
+
+    plgpu.barrier_wait(q_bar)
+
+    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
     if cfg.ragged:
-      valid = valid & (pos <= qpos)
-      if cfg.window is not None:
-        valid = valid & (pos > qpos - cfg.window)
-    elif cfg.window is not None:
-      valid = valid & (pos > kv_len - 1 - cfg.window)
-    logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
+      row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
+      qpos = qpos0 + row // g  # [ROWS, BK]: position of each row's query token
 
-    m_new = jnp.maximum(m_i, logits.max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-    l_i = l_i * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    if cfg.fp8:
-      p = p * vsc
-    p16 = p.astype(cdt)
-    if p_smem is not None:  # wgmma A operand from shared memory (the interpreter needs refs)
-      p_smem[...] = p16
-      plgpu.commit_smem()
-      p_op = p_smem
-    else:
-      p_op = p16
+    def per_page_vector(values):
+      """A [ROWS, BK] array whose column c holds values[c // G] (static list of ppb scalars)."""
+      if len(values) == 1:
+        return values[0]
+      page_col = col // G
+      res = values[-1]
+      for j in range(len(values) - 2, -1, -1):
+        res = jnp.where(page_col == j, values[j], res)
+      return res
 
-    def pv_fn(acc_ref):
-      plgpu.wgmma(acc_ref, p_op, vslot)
-      return acc_ref[...]
-    acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, cfg.H), jnp.float32))
+    def body(step, carry):
+      acc, m_i, l_i = carry
+      b = b_lo + step
+      slot = lax.rem(step, cfg.stages)
+      # Scalar loads first, so their latency hides behind the barrier wait and the matmuls: the page ids of the
+      # block this step will prefetch, and (fp8) the scales of the pages being computed now.
+      next_pages = block_pages(b + cfg.stages)
+      if cfg.fp8:
+        cur_pages = block_pages(b)
+        k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
+        v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
+      plgpu.barrier_wait(bars.at[slot])
 
-    @pl.when(step + cfg.stages < n_steps)
-    def _():
-      issue(b + cfg.stages, slot, next_pages)
-    return acc, m_new, l_i
+      if cfg.fp8:
+        kslot, vslot = k_smem, v_smem
+        kslot[...] = kq_smem[slot].astype(cdt)
+        vslot[...] = vq_smem[slot].astype(cdt)
+        plgpu.commit_smem()
+      else:
+        kslot, vslot = k_smem.at[slot], v_smem.at[slot]
 
-  acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
-  m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+      def qk_fn(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, kslot.transpose((1, 0)))
+        return acc_ref[...]
+      logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
+
+      # Per-column page data: logical token positions and fp8 scales.
+      if spp == 1:
+        idxs = [b * ppb + j for j in range(ppb)]
+        if cfg.sparse:
+          pos = per_page_vector([logical_page(i) * G for i in idxs]) + col % G
+        else:
+          pos = b * BK + col
+        if cfg.fp8:
+          ksc, vsc = per_page_vector(k_scales), per_page_vector(v_scales)
+      else:
+        if cfg.sparse:
+          pos = logical_page(b // spp) * G + (b % spp) * BK + col
+        else:
+          pos = b * BK + col
+        if cfg.fp8:
+          ksc, vsc = k_scales[0], v_scales[0]
+
+      logits = logits * cfg.scale
+      if cfg.fp8:
+        logits = logits * ksc
+      if cfg.soft_cap is not None:
+        logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
+      valid = pos < kv_len
+      if cfg.ragged:
+        valid = valid & (pos <= qpos)
+        if cfg.window is not None:
+          valid = valid & (pos > qpos - cfg.window)
+      elif cfg.window is not None:
+        valid = valid & (pos > kv_len - 1 - cfg.window)
+      logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
+
+      m_new = jnp.maximum(m_i, logits.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      if cfg.fp8:
+        p = p * vsc
+      p16 = p.astype(cdt)
+      if p_smem is not None:  # wgmma A operand from shared memory (the interpreter needs refs)
+        p_smem[...] = p16
+        plgpu.commit_smem()
+        p_op = p_smem
+      else:
+        p_op = p16
+
+      def pv_fn(acc_ref):
+        plgpu.wgmma(acc_ref, p_op, vslot)
+        return acc_ref[...]
+      acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, cfg.H), jnp.float32))
+
+      @pl.when(step + cfg.stages < n_steps)
+      def _():
+        issue(b + cfg.stages, slot, next_pages)
+      return acc, m_new, l_i
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    return lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+
+  acc, m_i, l_i = pl.run_scoped(pipeline, *[t for t in ring_types if t is not None])
 
   out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.dtype(jnp.float32)
 
@@ -350,21 +380,9 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   ragged (q = [NT, K, 64, H] tile-major, extra = (tile_info,)) returns per-tile outputs [NT, K, 64, H]."""
   H = cfg.H
   cdt = cfg.compute_dtype
-  ring = (cfg.stages, cfg.BK, H)
-  scratch = [plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt))]
-  if cfg.fp8:
-    pool_dt = jnp.dtype(cfg.fp8)
-    scratch += [plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
-                plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
-                plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
-                plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H))]
-  else:
-    scratch += [plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)),
-                None, None]
-  scratch.append(plgpu.SMEM((ROWS, cfg.BK), cdt, transforms=_tiles(cdt)) if cfg.p_via_smem else None)
   arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
-  scratch += [plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages), plgpu.Barrier(num_arrivals=1)]
-  present = [x is not None for x in scratch]
+  scratch = [plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt)),
+             plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages), plgpu.Barrier(num_arrivals=1)]
 
   S, N, K = cfg.S, cfg.N, cfg.K
   if cfg.ragged:
@@ -381,17 +399,10 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   inputs = [q, kv_pages_PGKH, bt, kv_lens_S, *extra]
   if cfg.fp8:
     inputs.append(scales)
-  n_fixed = len(inputs) + len(out_type)
-
-  def body(*refs):
-    allocated = iter(refs[n_fixed:])
-    scr = [next(allocated) if here else None for here in present]
-    _kernel(cfg, *refs[:n_fixed], *scr)
-
   call = plgpu.kernel(
-      body,
+      functools.partial(_kernel, cfg),
       out_type=out_type,
-      scratch_types=[x for x in scratch if x is not None],
+      scratch_types=scratch,
       grid=grid,
       grid_names=names,
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -444,6 +455,9 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
     raise Unsupported(f"block_kv={BK} must be a multiple of 64 that divides or is divided by page size {G}")
+  if smem_bytes(BK, H, stages, fp8) > SMEM_LIMIT:
+    raise Unsupported(f"block_kv={BK} x stages={stages} needs ~{smem_bytes(BK, H, stages, fp8)} bytes of shared "
+                      f"memory (limit {SMEM_LIMIT})")
   N_pad = N + (-N % 8)
   if sparse:
     n_blocks = table_cols * G // BK if G > BK else common.cdiv(table_cols, BK // G)

@@ -17,7 +17,7 @@ import pytest
 
 import pallas_kernels.splitzip as sz
 from pallas_kernels.splitzip import framing, reference
-from pallas_kernels.splitzip.layout import ROWS, Geometry, payload_bytes
+from pallas_kernels.splitzip.layout import Geometry, payload_bytes
 
 BF16 = ml_dtypes.bfloat16
 

@@ -7,7 +7,7 @@ stream layout, framing.py for the framed buffer, dispatch.py for the implementat
 
 Public API:
     Codebook.calibrate(samples) / .save(path) / Codebook.load(path) / .hash
-    encode(x, codebook, impl="auto", chunk=8192) -> Encoded
+    encode(x, codebook, impl="auto", chunk=None) -> Encoded        (chunk None: 8192, or 1024 if small)
     decode(enc, codebook, impl="auto") -> array
     encode_pages(pages_list, codebook, impl="auto") -> bytes
     decode_pages(buf, codebook=None, impl="auto") -> list of arrays

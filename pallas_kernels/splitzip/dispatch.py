@@ -27,8 +27,9 @@ from .layout import (DEFAULT_CHUNK, DTYPES, MIN_CHUNK, ROWS, Encoded, Geometry, 
 IMPLS = ("auto", "numpy", "jnp", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
 KERNEL_IMPLS = ("gpu", "tpu", "gpu_interpret", "tpu_interpret")
 
-# Measured on one H200 (benchmarks/bench_splitzip.py, see benchmarks/RESULTS.md): which path the
-# dispatcher takes on GPU for encode and decode.
+# Which path the dispatcher takes on GPU, by measurement on one H200 (1 GiB BF16 KV, see
+# benchmarks/RESULTS.md): encode kernel 1081 GB/s vs XLA-fused jnp 9.7 (512 without listing escapes),
+# decode kernel 1932 GB/s vs jnp 666.
 GPU_ENCODE_DEFAULT = "gpu"
 GPU_DECODE_DEFAULT = "gpu"
 

@@ -21,7 +21,7 @@ import zlib
 import numpy as np
 
 from .codebook import Codebook
-from .layout import DTYPES, ROWS, Encoded, Geometry, check_chunk, payload_bytes, raw_bytes, sm_stream_bytes
+from .layout import DTYPES, Encoded, Geometry, check_chunk, payload_bytes, raw_bytes, sm_stream_bytes
 
 MAGIC = b"SZP1"
 VERSION = 1

@@ -168,13 +168,13 @@ def test_logits_match_transformers(name):
 def test_block_dequant_semantics_and_errors():
     r = rng(5)
     q = r.normal(0, 50, (5, 7)).astype(np.float32)
-    s = r.uniform(0.5, 2, (3, 4)).astype(np.float32)
-    w = block_dequant(q, s, (2, 2))
+    s = r.uniform(0.5, 2, (3, 3)).astype(np.float32)          # blocks of 2 rows x 3 columns, partial edges
+    w = block_dequant(q, s, (2, 3))
     for i in range(5):
         for j in range(7):
-            assert w[i, j] == np.float32(q[i, j] * s[i // 2, j // 2])
+            assert w[i, j] == np.float32(q[i, j] * s[i // 2, j // 3])
     with pytest.raises(WeightLoadError, match="weight_scale_inv has shape"):
-        block_dequant(q, s[:2], (2, 2))
+        block_dequant(q, s[:2], (2, 3))
 
 
 def test_fp8_checkpoint_without_scales_is_refused(tmp_path):

@@ -23,7 +23,6 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 ALIGN = 256
 FP8 = jnp.float8_e4m3fn

@@ -5,7 +5,7 @@ Needs the CUDA 12 PJRT plugin importable (it is NOT a dependency of tbjax):
     pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
     PYTHONPATH=/tmp/cuda12plugin JAX_PLATFORMS=cpu python scripts/gpu_hlo_overlap.py
 It compiles against `jax.experimental.topologies.get_topology_desc(..., "cuda")` with the H100 target config in
-../shared/gpu_targets (an sm_90 description; the H200 is the same chip), prints one JSON object:
+tests/data/gpu_targets (a copy of ../shared/gpu_targets; sm_90, the H200 is the same chip), prints one JSON object:
   {"while_bodies": [{"name", "buffer_collectives": [{"kind", "start", "done", "score_dots_between"}]}], ...}
 "score dots" are the attention-score matmuls (f32[N, T, T] with N heads and T tokens per device), i.e. the
 attention compute of a layer. Overlap means: in the layer loop body, a buffer gather starts before a score dot
@@ -22,7 +22,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGET = os.environ.get("TBJAX_GPU_TARGET_CONFIG",
-                        os.path.join(ROOT, "..", "shared", "gpu_targets", "h100_sxm.txtpb"))
+                        os.path.join(ROOT, "tests", "data", "gpu_targets", "h100_sxm.txtpb"))
 
 
 def split_computations(hlo: str) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """Capacity planner (`python -m tbjax.plan`): its counts come from the model's parameter tree; here they are checked
 against independent counts written out from the published architectures (config numbers only), on the real
-flagship configs in ../shared/configs."""
+flagship configs (copies of ../shared/configs in tests/data/configs)."""
 import json
 import math
 import os
@@ -11,9 +11,7 @@ from sharding.mesh import DecodeLayout, MeshMismatch
 from tbjax import plan as pl
 from tbjax.spec import ModelSpec
 
-CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "configs")
-if not os.path.isdir(CONFIGS):
-    CONFIGS = "/work/shared/configs"
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "configs")   # copies of ../shared/configs
 DS, KIMI = os.path.join(CONFIGS, "deepseek-v3.json"), os.path.join(CONFIGS, "kimi-k2-instruct.json")
 GIB = 1024 ** 3
 
@@ -33,7 +31,6 @@ def load(path):
         return json.load(f)
 
 
-@pytest.mark.skipif(not os.path.isfile(DS), reason="flagship configs not found (../shared/configs)")
 @pytest.mark.parametrize("path,per_layer", [(DS, 187_114_496), (KIMI, None)])
 def test_attention_params_match_independent_count(path, per_layer):
     c = load(path)
@@ -55,7 +52,6 @@ def test_attention_params_match_independent_count(path, per_layer):
     assert fp8 <= lay.padded_bytes(1) <= fp8 + 256 * 9       # the packed layer: same bytes + alignment
 
 
-@pytest.mark.skipif(not os.path.isfile(DS), reason="flagship configs not found (../shared/configs)")
 @pytest.mark.parametrize("dp", [8, 16, 32])
 def test_released_bytes_per_device(dp):
     for path in (DS, KIMI):
@@ -75,7 +71,6 @@ def test_released_bytes_per_device(dp):
     assert f"| DeepSeek-V3 | fp8 | 187.1M x 61 | {dp} | 10.63 GiB |" in table
 
 
-@pytest.mark.skipif(not os.path.isfile(DS), reason="flagship configs not found (../shared/configs)")
 def test_plan_composition_and_kv():
     spec = ModelSpec.from_hf_config(DS)
     p = pl.plan(spec, {"dp": 8}, context=4096, hbm_bytes=140 * GIB)
@@ -93,7 +88,6 @@ def test_plan_composition_and_kv():
     assert pl.kv_bytes_per_token(gqa, "fp8") == 32 * 2 * 8 * 128
 
 
-@pytest.mark.skipif(not os.path.isfile(DS), reason="flagship configs not found (../shared/configs)")
 def test_cli(capsys):
     assert pl.main([DS, "--mesh", "dp=8", "--context", "8192"]) == 0
     out = capsys.readouterr().out

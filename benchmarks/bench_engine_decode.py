@@ -1,0 +1,627 @@
+"""Engine decode benchmark (issue 3): time per decode step, tokens/s and model-bandwidth utilization (MBU) of the
+engine's jitted decode step at Llama-3.1-8B shapes (random bf16 weights, bf16 paged KV, page 16), against the HBM
+copy bandwidth and against transformers (static cache + torch.compile) measured in the same run.
+
+Why it exists: decode is memory-bound, so MBU = (weight bytes + KV bytes read per step) / step time / HBM bandwidth
+says how far the engine is from the hardware, and the transformers number says how far it is from the usual baseline.
+
+Sections (one process each, so one failing section still leaves the others; JSON is written as results arrive):
+  ceiling   torch device-to-device copy of 2 GiB (read + write bytes) in its own process, before anything else
+            holds GPU memory; the JAX worker adds a jnp copy and an elementwise op. Ceiling = the highest.
+  jax       the engine (tbjax.engine.Engine with its ModelRunner) at batch x context. The runner is driven directly
+            with synthetic block tables (every sequence has ctx tokens of random KV in its own pages; the step
+            decodes the token at position ctx-1, so kv_len = ctx): no scheduler in these timings. Three timings:
+              run    ModelRunner.run(inputs): host->device inputs, the jitted step, device->host tokens (median);
+              sync   the jitted step on device-resident inputs, block_until_ready after each (median) -> MBU;
+              pipe   N steps queued back to back, one block at the end (mean): device time, dispatch hidden.
+            Then one end-to-end Engine.step() figure (default batch 32, context 1k: 32 random prompts prefilled in
+            one step, then greedy decode steps; median of the decode steps) so host overhead is visible, and,
+            if time is left, the same step with impl="reference" attention (token agreement with the kernel).
+  hf        transformers LlamaForCausalLM from the same config, random bf16 weights on cuda, StaticCache,
+            model.forward compiled with torch.compile(mode="reduce-overhead", fullgraph=True) (falls back to
+            mode="default", then eager; the mode used is recorded); decode step (forward + argmax) at the
+            requested batch x context (default 32x1k, then 32x8k if time allows); median of CUDA-event timings.
+Bytes per step: all weights except the embedding table (only B rows of it are read) + B * ctx * L * 2K * H * 2
+(the KV of the context). The new token's KV write and activations are not counted.
+
+The config comes from benchmarks/configs/ (copies of ../shared/configs/: the device tool sends only the repo).
+
+Usage (H200):  python3 benchmarks/bench_engine_decode.py --out engine_decode.json
+       (CPU):  python benchmarks/bench_engine_decode.py --smoke        (SmolLM2 shapes, tiny batch/context)
+Prints a table and the JSON; writes the JSON to --out and to $OUT/bench_engine_decode.json when $OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG_DIR = os.path.join(HERE, "configs")
+MARK = "ENGRESULT "
+
+TORCH_COPY = r"""
+import json, torch
+x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+x.random_(0, 255)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+ts = []
+for _ in range(20):
+    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
+ts.sort(); ms = ts[len(ts) // 2]
+print("ENGRESULT " + json.dumps({"torch_copy_TBps": 2 * x.numel() / (ms * 1e-3) / 1e12, "bytes": x.numel(), "ms": ms}))
+"""
+
+
+def _parse_shapes(s: str) -> list[tuple[int, int]]:
+    out = []
+    for item in [x for x in s.split(",") if x]:
+        try:
+            b, c = item.split(":")
+            out.append((int(b), int(c)))
+        except ValueError:
+            raise SystemExit(f"bad shape {item!r}: expected BATCH:CONTEXT, e.g. 32:1024") from None
+    return out
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JAX worker
+# ---------------------------------------------------------------------------------------------------------------
+def jax_worker(args) -> dict:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    t_begin = time.time()
+    deadline = t_begin + args.deadline_s
+    res: dict = {"sections": [], "skipped": [], "variants": []}
+
+    def emit():
+        print(MARK + json.dumps(res, default=str), flush=True)
+
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, HERE)
+    from bench_generate import synthetic_tokenizer
+    from pallas_kernels.paged_attention import resolve_impl
+    from tbjax.engine.engine import Engine, EngineConfig
+    from tbjax.engine.runner import ModelRunner
+    from tbjax.model import init_params
+    from tbjax.sampling import SamplingParams
+    from tbjax.spec import ModelSpec
+
+    fallbacks: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record):
+            fallbacks.append(record.getMessage()[:300])
+    logging.getLogger("pallas_kernels.paged_attention").addHandler(_Catch(level=logging.WARNING))
+
+    dev = jax.devices()[0]
+    res["meta"] = {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(dev),
+                   "device_kind": getattr(dev, "device_kind", "?"), "attn_impl_requested": args.attn_impl,
+                   "attn_impl_resolved": resolve_impl(args.attn_impl), "config": args.config}
+
+    # ---- ceiling: JAX copies ------------------------------------------------------------------------------
+    def bench_copy(f, x, iters=10):
+        y = f(x)
+        y.block_until_ready()
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            y = f(x)
+            y.block_until_ready()
+            ts.append(time.perf_counter() - t)
+        return 2 * x.nbytes / statistics.median(ts) / 1e12
+
+    try:
+        n = (2 << 30) if res["meta"]["backend"] != "cpu" else (64 << 20)
+        x = jax.random.bits(jax.random.key(7), (n // 4,), jnp.uint32)
+        res["jax_copy_TBps"] = bench_copy(jax.jit(jnp.copy), x)
+        res["jax_elementwise_TBps"] = bench_copy(jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A)), x)
+        del x
+    except Exception as e:  # noqa: BLE001
+        res["jax_copy_error"] = repr(e)
+    res["sections"].append("ceiling")
+    emit()
+
+    # ---- model, engine, KV --------------------------------------------------------------------------------
+    spec = ModelSpec.from_hf_config(os.path.join(CONFIG_DIR, args.config + ".json"))
+    G = args.page_size
+    shapes = _parse_shapes(args.shapes)
+    for b, c in shapes:
+        if c % G or c < G:
+            raise SystemExit(f"context {c} must be a positive multiple of the page size {G}")
+    max_b = max(b for b, _ in shapes)
+    max_ctx = max(c for _, c in shapes)
+    e2e = _parse_shapes(args.e2e)[0] if args.e2e else None
+    if e2e:
+        max_b = max(max_b, e2e[0])
+        max_ctx = max(max_ctx, e2e[1])
+    num_pages = 1 + max(max_b * (max_ctx // G), (e2e[0] * (e2e[1] // G) if e2e else 0))
+    e2e_prompt = (e2e[1] - args.e2e_new_tokens) if e2e else 0
+    max_tokens = max(max_b, e2e[0] * e2e_prompt if e2e else 0, 16)
+
+    t0 = time.perf_counter()
+    params = jax.jit(init_params, static_argnums=(0, 2))(spec, jax.random.key(0), args.dtype)
+    jax.block_until_ready(params)
+    res["init_weights_s"] = time.perf_counter() - t0
+    itemsize = jnp.dtype(args.dtype).itemsize
+    w_total = int(sum(a.nbytes for a in jax.tree.leaves(params)))
+    embed_bytes = int(params["embed"].nbytes)
+    kv_per_token = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * itemsize
+    res["model"] = {"weights_bytes": w_total, "embed_bytes": embed_bytes, "kv_bytes_per_token": kv_per_token,
+                    "layers": spec.n_layers, "d_model": spec.d_model, "heads": spec.n_heads,
+                    "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab_size,
+                    "dtype": args.dtype, "num_pages": num_pages, "page_size": G}
+
+    tok = synthetic_tokenizer(spec.vocab_size)
+    cfg = EngineConfig(page_size=G, num_pages=num_pages, kv_dtype=args.dtype, max_num_seqs=max_b,
+                       max_num_batched_tokens=max_tokens, max_model_len=max_ctx, attn_impl=args.attn_impl)
+    t0 = time.perf_counter()
+    engine = Engine(spec, params, tok, cfg)
+    runner = engine.runner
+
+    fill = jax.jit(lambda pages, key: jax.random.uniform(key, pages.shape, jnp.float32, -1.0, 1.0).astype(pages.dtype),
+                   donate_argnums=0)
+    keys = jax.random.split(jax.random.key(1), spec.n_layers)
+    runner.caches = [(fill(p, k), s) for (p, s), k in zip(runner.caches, keys)]
+    jax.block_until_ready(runner.caches)
+    res["kv_pool_s"] = time.perf_counter() - t0
+    res["kv_pool_bytes"] = int(sum(p.nbytes for p, _ in runner.caches))
+    res["sections"].append("setup")
+    emit()
+
+    rng = np.random.default_rng(0)
+    step_kw = dict(spec=spec, decode_only=True, want_logprobs=False)
+
+    def make_inputs(B, ctx):
+        P = ctx // G
+        entries = [([int(rng.integers(0, spec.vocab_size))], ctx - 1, list(range(1 + s * P, 1 + (s + 1) * P)))
+                   for s in range(B)]
+        sampling = [(0.0, 0, 1.0, 0.0, s) for s in range(B)]
+        inp = runner.build_inputs(entries, sampling)
+        if not inp.decode_only or int(inp.kv_lens_S[:B].min()) != ctx:
+            raise RuntimeError(f"unexpected step inputs for B={B} ctx={ctx}")
+        return inp
+
+    def measure(r: ModelRunner, B, ctx, label):
+        v = {"batch": B, "context": ctx, "label": label, "attn_impl": r.attn_impl}
+        inp = make_inputs(B, ctx)
+        n0 = r.num_compiled
+        fb0 = len(fallbacks)
+        t = time.perf_counter()
+        out = r.run(inp)
+        v["first_call_s"] = time.perf_counter() - t
+        v["bucket_SP"] = list(inp.block_tables_SP.shape)
+        v["new_programs"] = r.num_compiled - n0
+        v["fallback_warnings"] = fallbacks[fb0:]
+        toks = np.asarray(out["tokens"])[:B]
+        if toks.min() < 0 or toks.max() >= spec.vocab_size:
+            raise RuntimeError(f"sampled tokens out of range: {toks.min()}..{toks.max()}")
+        for _ in range(args.warmup):
+            r.run(inp)
+        ts = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            r.run(inp)
+            ts.append(time.perf_counter() - t)
+        v["run_ms"] = 1e3 * _median(ts)
+        arrays = jax.device_put({k: val for k, val in dataclasses.asdict(inp).items() if k != "decode_only"})
+        kw = dict(step_kw, attn_impl=r.attn_impl)
+
+        def dstep():
+            o, r.caches = r._fn(r.params, r.caches, arrays, **kw)
+            return o
+        jax.block_until_ready(dstep())
+        ts = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            o = dstep()
+            jax.block_until_ready((o, r.caches))
+            ts.append(time.perf_counter() - t)
+        v["sync_ms"] = 1e3 * _median(ts)
+        v["sync_min_ms"] = 1e3 * min(ts)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            o = dstep()
+        jax.block_until_ready((o, r.caches))
+        v["pipe_ms"] = 1e3 * (time.perf_counter() - t) / args.steps
+        v["recompiled_during_timing"] = r.num_compiled - n0 - v["new_programs"]
+        wbytes = w_total - embed_bytes + B * spec.d_model * itemsize
+        kvbytes = B * ctx * kv_per_token
+        v["weight_bytes"], v["kv_bytes"] = wbytes, kvbytes
+        for k in ("run", "sync", "pipe"):
+            v[f"{k}_tok_s"] = B / (v[f"{k}_ms"] * 1e-3)
+            v[f"{k}_TBps"] = (wbytes + kvbytes) / (v[f"{k}_ms"] * 1e-3) / 1e12
+        v["tokens"] = [int(x) for x in toks[:8]]
+        return v, inp, toks
+
+    est = None   # seconds a new variant costs (compile + timing), from the last one
+
+    def time_left():
+        return deadline - time.time()
+
+    for B, ctx in shapes:
+        if est is not None and time_left() < 1.2 * est:
+            res["skipped"].append(f"jax {B}x{ctx}: time ({time_left():.0f}s left, ~{est:.0f}s needed)")
+            emit()
+            continue
+        t = time.time()
+        try:
+            v, _, _ = measure(runner, B, ctx, "runner")
+        except Exception as e:  # noqa: BLE001
+            v = {"batch": B, "context": ctx, "label": "runner", "error": repr(e)[:2000]}
+        res["variants"].append(v)
+        est = time.time() - t
+        print(f"[jax] {B}x{ctx}: " + (f"sync {v['sync_ms']:.2f} ms, first call {v['first_call_s']:.1f}s"
+                                     if "error" not in v else v["error"][:300]), file=sys.stderr, flush=True)
+        emit()
+    res["sections"].append("grid")
+
+    # ---- end-to-end Engine.step() --------------------------------------------------------------------------
+    if e2e and time_left() < 1.5 * (est or 0):
+        res["skipped"].append(f"e2e: time ({time_left():.0f}s left)")
+    elif e2e:
+        B, ctx = e2e
+        r = {"batch": B, "context": ctx, "prompt_len": e2e_prompt, "new_tokens": args.e2e_new_tokens}
+        try:
+            sp = SamplingParams.greedy(args.e2e_new_tokens, ignore_eos=True)
+            for i in range(B):
+                ids = [int(x) for x in rng.integers(0, spec.vocab_size, e2e_prompt)]
+                engine.add_request(f"e2e-{i}", ids, sp)
+            steps = []
+            n0 = runner.num_compiled
+            while engine.has_unfinished():
+                t = time.perf_counter()
+                outs = engine.step()
+                steps.append((time.perf_counter() - t, len(outs)))
+                if len(steps) > args.e2e_new_tokens + 8:
+                    raise RuntimeError("engine did not finish in the expected number of steps")
+            r["step_s"] = [round(s, 5) for s, _ in steps]
+            r["prefill_step_s"] = steps[0][0]
+            dec = [s for s, _ in steps[2:]]
+            r["decode_step_ms"] = 1e3 * _median(dec)
+            r["decode_tok_s"] = B / (r["decode_step_ms"] * 1e-3)
+            r["new_programs"] = runner.num_compiled - n0
+        except Exception as e:  # noqa: BLE001
+            r["error"] = repr(e)[:2000]
+        res["e2e"] = r
+        print(f"[jax] e2e: {r.get('decode_step_ms', r.get('error'))}", file=sys.stderr, flush=True)
+        res["sections"].append("e2e")
+        emit()
+
+    # ---- the same step with reference attention --------------------------------------------------------------
+    if args.ref_shape:
+        for B, ctx in _parse_shapes(args.ref_shape):
+            if est is not None and time_left() < 1.5 * est:
+                res["skipped"].append(f"reference attention {B}x{ctx}: time ({time_left():.0f}s left)")
+                continue
+            try:
+                inp = make_inputs(B, ctx)
+                auto_toks = np.asarray(runner.run(inp)["tokens"])[:B]
+                ref = ModelRunner(spec, params, runner.caches, page_size=G, max_num_seqs=max_b,
+                                  max_num_batched_tokens=max_tokens, max_pages_per_seq=max_ctx // G,
+                                  attn_impl="reference")
+                runner.caches = None
+                ref_toks = np.asarray(ref.run(inp)["tokens"])[:B]   # same inputs, same KV: greedy tokens
+                v, _, _ = measure(ref, B, ctx, "reference-attention")
+                v["token_agreement_with_auto"] = float(np.mean(auto_toks == ref_toks))
+                runner.caches, ref.caches = ref.caches, None
+            except Exception as e:  # noqa: BLE001
+                v = {"batch": B, "context": ctx, "label": "reference-attention", "error": repr(e)[:2000]}
+            res["variants"].append(v)
+            emit()
+    res["fallback_warnings_total"] = len(fallbacks)
+    res["elapsed_s"] = time.time() - t_begin
+    emit()
+    return res
+
+
+def _fill_cache_tensors(torch, obj, min_numel: int, depth: int = 0, seen=None) -> int:
+    """Fills every large tensor reachable from a transformers cache object with uniform(-1, 1) noise (the cache
+    classes' attribute layout changes between versions, so they are found by walking the object)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 4:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() >= min_numel and obj.is_floating_point():
+            obj.uniform_(-1, 1)
+            return 1
+        return 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_fill_cache_tensors(torch, x, min_numel, depth + 1, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_fill_cache_tensors(torch, x, min_numel, depth + 1, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers"):
+        return sum(_fill_cache_tensors(torch, x, min_numel, depth + 1, seen) for x in vars(obj).values())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers worker
+# ---------------------------------------------------------------------------------------------------------------
+def hf_worker(args) -> dict:
+    t_begin = time.time()
+    deadline = t_begin + args.deadline_s
+    res: dict = {"shapes": [], "skipped": []}
+
+    def emit():
+        print(MARK + json.dumps(res, default=str), flush=True)
+
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    res["meta"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                   "device": torch.cuda.get_device_name(0)}
+    with open(os.path.join(CONFIG_DIR, args.config + ".json")) as f:
+        cfg = LlamaConfig.from_dict(json.load(f))
+    cfg.use_cache = True
+    t0 = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.eval()
+    torch.cuda.synchronize()
+    res["build_s"] = time.perf_counter() - t0
+    res["weights_bytes"] = int(sum(p.numel() * p.element_size() for p in model.parameters()))
+    res["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    res["attn_implementation"] = getattr(model.config, "_attn_implementation", "?")
+    emit()
+    eager_forward = model.forward
+    est = None
+    for B, ctx in _parse_shapes(args.shapes):
+        if est is not None and deadline - time.time() < 1.2 * est:
+            res["skipped"].append(f"hf {B}x{ctx}: time")
+            continue
+        t_shape = time.time()
+        r = {"batch": B, "context": ctx}
+        try:
+            from transformers import StaticCache
+            try:
+                cache = StaticCache(config=cfg, max_cache_len=ctx)
+            except TypeError:
+                cache = StaticCache(config=cfg, max_batch_size=B, max_cache_len=ctx, device="cuda",
+                                    dtype=torch.bfloat16)
+            ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+            pos = torch.full((B, 1), ctx - 1, dtype=torch.long, device="cuda")
+            cpos = torch.tensor([ctx - 1], dtype=torch.long, device="cuda")
+            model.forward = eager_forward
+            torch._dynamo.reset()
+
+            def step(fwd):
+                out = fwd(input_ids=ids, position_ids=pos, cache_position=cpos, past_key_values=cache,
+                          use_cache=True)
+                return out.logits[:, -1, :].argmax(-1)
+
+            with torch.no_grad():
+                step(model.forward)                       # eager: allocates the static cache
+                r["kv_tensors_filled"] = _fill_cache_tensors(torch, cache, B * ctx)   # random KV, not zeros
+                fwd, mode = None, None
+                for m, full in (("reduce-overhead", True), ("reduce-overhead", False), ("default", False),
+                                (None, False)):
+                    try:
+                        torch._dynamo.reset()
+                        f = torch.compile(eager_forward, mode=m, fullgraph=full) if m else eager_forward
+                        t0 = time.perf_counter()
+                        for _ in range(3):                # compile + cudagraph warm-up
+                            step(f)
+                        torch.cuda.synchronize()
+                        r["compile_s"] = time.perf_counter() - t0
+                        fwd, mode = f, (f"{m}, fullgraph={full}" if m else "eager")
+                        break
+                    except Exception as e:  # noqa: BLE001
+                        r.setdefault("compile_errors", []).append(f"{m}/{full}: {e!r}"[:500])
+                r["mode"] = mode
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(args.steps)]
+                for a, b in ev:
+                    a.record()
+                    step(fwd)
+                    b.record()
+                    torch.cuda.synchronize()
+                r["step_ms"] = statistics.median(a.elapsed_time(b) for a, b in ev)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    step(fwd)
+                torch.cuda.synchronize()
+                r["pipe_ms"] = 1e3 * (time.perf_counter() - t0) / args.steps
+            r["tok_s"] = B / (r["step_ms"] * 1e-3)
+            kv = B * ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (
+                cfg.hidden_size // cfg.num_attention_heads) * 2
+            emb = cfg.vocab_size * cfg.hidden_size * 2
+            r["bytes"] = res["weights_bytes"] - emb + kv
+            r["TBps"] = r["bytes"] / (r["step_ms"] * 1e-3) / 1e12
+            del cache
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            r["error"] = repr(e)[:2000]
+        res["shapes"].append(r)
+        est = time.time() - t_shape
+        print(f"[hf] {B}x{ctx}: {r.get('step_ms', r.get('error'))}", file=sys.stderr, flush=True)
+        emit()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# orchestrator
+# ---------------------------------------------------------------------------------------------------------------
+def _subprocess_json(cmd, timeout, env=None) -> dict:
+    """Runs a worker; returns the last JSON it printed (partial results survive a timeout or a crash)."""
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        out, err = p.communicate(timeout=max(timeout, 1))
+        status = f"exit {p.returncode}"
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        status = f"killed after {timeout:.0f}s"
+    last = {}
+    for line in out.splitlines():
+        if line.startswith(MARK):
+            last = json.loads(line[len(MARK):])
+    last["worker_status"] = status
+    last["worker_wall_s"] = time.time() - t0
+    if p.returncode:
+        last["stderr_tail"] = err[-3000:]
+    else:
+        last["stderr_tail"] = "\n".join(err.splitlines()[-12:])[-1500:]
+    return last
+
+
+def _git_commit() -> str:
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                           timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        c = ""
+    return c or os.environ.get("TBJAX_GIT_COMMIT", "?")
+
+
+def summarize(res: dict) -> str:
+    jx = res.get("jax", {})
+    ceil = res.get("ceiling_TBps")
+    lines = [f"bench_engine_decode: {jx.get('meta', {}).get('device', '?')} config={res['config']} "
+             f"commit={res['commit']} attention={jx.get('meta', {}).get('attn_impl_resolved', '?')}",
+             f"ceiling {ceil and round(ceil, 3)} TB/s (torch copy {res.get('torch_copy', {}).get('torch_copy_TBps')}, "
+             f"jnp copy {jx.get('jax_copy_TBps')}, jnp elementwise {jx.get('jax_elementwise_TBps')})",
+             "| B | ctx | attention | sync ms | pipe ms | run ms | tok/s (sync) | GB/step | TB/s (sync) | MBU sync | "
+             "MBU pipe | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in jx.get("variants", []):
+        if "error" in v:
+            lines.append(f"| {v['batch']} | {v['context']} | {v.get('label')} | error: {v['error'][:120]} |")
+            continue
+        gb = (v["weight_bytes"] + v["kv_bytes"]) / 1e9
+        mbu = lambda k: f"{100 * v[k + '_TBps'] / ceil:.1f}%" if ceil else "?"  # noqa: E731
+        lines.append(f"| {v['batch']} | {v['context']} | {v['attn_impl']} | {v['sync_ms']:.2f} | {v['pipe_ms']:.2f} | "
+                     f"{v['run_ms']:.2f} | {v['sync_tok_s']:.0f} | {gb:.2f} | {v['sync_TBps']:.2f} | {mbu('sync')} | "
+                     f"{mbu('pipe')} | {v['first_call_s']:.1f} |")
+    e = jx.get("e2e")
+    if e:
+        lines.append(f"e2e Engine.step() {e['batch']}x{e['context']}: " +
+                     (f"decode step {e['decode_step_ms']:.2f} ms ({e['decode_tok_s']:.0f} tok/s), prefill step "
+                      f"{e['prefill_step_s']:.1f}s (incl. compile)" if "error" not in e else e["error"][:300]))
+    for s in res.get("hf", {}).get("shapes", []):
+        if "error" in s:
+            lines.append(f"transformers {s['batch']}x{s['context']}: error {s['error'][:300]}")
+            continue
+        ours = next((v for v in jx.get("variants", []) if v.get("batch") == s["batch"]
+                     and v.get("context") == s["context"] and v.get("label") == "runner" and "error" not in v), None)
+        ratio = f", tbjax/transformers = {ours['sync_tok_s'] / s['tok_s']:.2f}x (sync), " \
+                f"{ours['run_tok_s'] / s['tok_s']:.2f}x (run)" if ours else ""
+        lines.append(f"transformers {s['batch']}x{s['context']} ({s['mode']}): {s['step_ms']:.2f} ms/step, "
+                     f"{s['tok_s']:.0f} tok/s, {s['TBps']:.2f} TB/s, compile {s.get('compile_s', 0):.0f}s{ratio}")
+    for k in ("skipped",):
+        for part in ("jax", "hf"):
+            for s in res.get(part, {}).get(k, []):
+                lines.append(f"skipped: {s}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="llama-3.1-8b", help="name of a JSON file in benchmarks/configs/")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--shapes", default="32:1024,64:8192,1:1024,8:1024,64:1024,1:8192,8:8192,32:8192",
+                    help="BATCH:CONTEXT list, in priority order (later ones are skipped when time runs out)")
+    ap.add_argument("--e2e", default="32:1024", help="BATCH:CONTEXT of the Engine.step() run ('' = none)")
+    ap.add_argument("--e2e-new-tokens", type=int, default=16)
+    ap.add_argument("--ref-shape", default="32:1024", help="shapes to re-run with impl='reference' ('' = none)")
+    ap.add_argument("--hf-shapes", default="32:1024,32:8192")
+    ap.add_argument("--attn-impl", default="auto")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--time-budget", type=float, default=330.0, help="seconds for the whole benchmark")
+    ap.add_argument("--hf-reserve", type=float, default=150.0, help="seconds kept for the transformers part")
+    ap.add_argument("--smoke", action="store_true", help="CPU: SmolLM2 shapes, tiny batch/context, no torch")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", choices=["jax", "hf"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.config, args.shapes, args.e2e, args.ref_shape = "smollm2-135m-instruct", "2:64,1:128", "2:64", "2:64"
+        args.e2e_new_tokens, args.steps, args.warmup, args.no_hf = 4, 3, 1, True
+    if not os.path.isfile(os.path.join(CONFIG_DIR, args.config + ".json")):
+        ap.error(f"no config {args.config}.json in {CONFIG_DIR}")
+    sys.path.insert(0, REPO)
+
+    if args.worker == "jax":
+        jax_worker(args)
+        return 0
+    if args.worker == "hf":
+        hf_worker(args)
+        return 0
+
+    t_start = time.time()
+    res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": _git_commit(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup}
+    outs = [args.out] if args.out else []
+    if os.environ.get("OUT"):
+        outs.append(os.path.join(os.environ["OUT"], "bench_engine_decode.json"))
+
+    def save():
+        for p in outs:
+            with open(p, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
+    try:
+        import importlib.util
+        has_torch = importlib.util.find_spec("torch") is not None
+    except Exception:  # noqa: BLE001
+        has_torch = False
+    if has_torch and not args.smoke:
+        r = _subprocess_json([sys.executable, "-c", TORCH_COPY], 120)
+        res["torch_copy"] = r
+        save()
+    base = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--dtype", args.dtype,
+            "--page-size", str(args.page_size), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    run_hf = has_torch and not args.no_hf and args.hf_shapes
+    jax_budget = args.time_budget - (time.time() - t_start) - (args.hf_reserve if run_hf else 0)
+    cmd = base + ["--worker", "jax", "--deadline-s", str(jax_budget), "--shapes", args.shapes, "--e2e", args.e2e,
+                  "--e2e-new-tokens", str(args.e2e_new_tokens), "--ref-shape", args.ref_shape,
+                  "--attn-impl", args.attn_impl]
+    res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
+    save()
+    if run_hf:
+        hf_budget = max(args.time_budget - (time.time() - t_start), 60)
+        res["hf"] = _subprocess_json(base + ["--worker", "hf", "--deadline-s", str(hf_budget - 20),
+                                             "--shapes", args.hf_shapes], hf_budget)
+    else:
+        res["hf"] = {"skipped": ["transformers: " + ("torch not installed" if not has_torch else "disabled")]}
+    cands = [res.get("torch_copy", {}).get("torch_copy_TBps"), res["jax"].get("jax_copy_TBps"),
+             res["jax"].get("jax_elementwise_TBps")]
+    cands = [c for c in cands if c]
+    res["ceiling_TBps"] = max(cands) if cands else None
+    for v in res["jax"].get("variants", []):
+        if "error" not in v and res["ceiling_TBps"]:
+            for k in ("run", "sync", "pipe"):
+                v[f"{k}_MBU"] = v[f"{k}_TBps"] / res["ceiling_TBps"]
+    res["total_s"] = time.time() - t_start
+    save()
+    print(summarize(res))
+    print(json.dumps(res, indent=1, default=str))
+    bad = [v for v in res["jax"].get("variants", []) if "error" in v] or "variants" not in res["jax"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

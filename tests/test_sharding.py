@@ -99,11 +99,9 @@ def test_gather_buffer_assembles_the_full_buffer(mode, axes):
     n = int(np.prod([mesh.shape[a] for a in axes]))
     full = rng(3).integers(0, 256, (5, n * 32)).astype(np.uint8)
     x = jax.device_put(full, NamedSharding(mesh, P(None, axes)))
-    poison = jnp.full((5, n * 32), 7, jnp.uint8)
     f = jax.jit(jax.shard_map(lambda s: jax.vmap(lambda r: gather_buffer(r, axes, mode))(s), mesh=mesh,
                               in_specs=P(None, axes), out_specs=P(None, axes)))
     got = np.asarray(f(x))                       # every device's full copy, concatenated along the sharded axis
-    assert not np.array_equal(np.asarray(poison), full)
     np.testing.assert_array_equal(got, np.tile(full, (1, n)))
 
 

@@ -63,18 +63,22 @@ def _update(kmin_PKH, kmax_PKH, k_TKH, slot_mapping_T, *, page_size):
 
 
 def page_scores(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP):
-  """Quest upper bound per (sequence, kv head, table entry): [S, K, Pmax] f32 (max over the group's heads)."""
+  """Quest upper bound per (sequence, kv head, table entry): [S, K, Pmax] f32 (max over the group's heads).
+
+  Computed in the summaries' dtype with f32 accumulation (one gather of each summary, two matmuls). Pages
+  never written (min = +inf, max = -inf) give NaN scores; callers mask pages outside the sequence anyway.
+  """
   S, N, H = q_SNH.shape
   K = kmin_PKH.shape[1]
   g = N // K
-  mn = kmin_PKH[block_tables_SP].astype(jnp.float32)  # [S, Pmax, K, H]
-  mx = kmax_PKH[block_tables_SP].astype(jnp.float32)
-  ok = jnp.isfinite(mn) & jnp.isfinite(mx)
-  c = jnp.where(ok, (mx + mn) * 0.5, 0.0)
-  r = jnp.where(ok, (mx - mn) * 0.5, 0.0)
-  q = q_SNH.astype(jnp.float32).reshape(S, K, g, H)
-  hp = lax.Precision.HIGHEST
-  sc = jnp.einsum("skgh,spkh->skgp", q, c, precision=hp) + jnp.einsum("skgh,spkh->skgp", jnp.abs(q), r, precision=hp)
+  mn = kmin_PKH[block_tables_SP]  # [S, Pmax, K, H]
+  mx = kmax_PKH[block_tables_SP]
+  c = (mx + mn) * 0.5
+  r = (mx - mn) * 0.5
+  dt = kmin_PKH.dtype
+  q = q_SNH.reshape(S, K, g, H)
+  sc = (jnp.einsum("skgh,spkh->skgp", q.astype(dt), c, preferred_element_type=jnp.float32)
+        + jnp.einsum("skgh,spkh->skgp", jnp.abs(q).astype(dt), r, preferred_element_type=jnp.float32))
   return jnp.max(sc, axis=2)
 
 

@@ -248,10 +248,10 @@ def _from_hf(cfg: dict) -> ModelSpec:
                           expert_ffn_dim=int(_req(cfg, "moe_intermediate_size", arch)),
                           n_shared_experts=int(cfg.get("n_shared_experts") or 0),
                           shared_ffn_dim=int(cfg.get("moe_intermediate_size")) * int(cfg.get("n_shared_experts") or 0),
-                          router=cfg.get("scoring_func", "softmax"), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                          router=cfg.get("scoring_func") or "sigmoid", norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                           n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
                           routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                          correction_bias=cfg.get("topk_method") == "noaux_tc")
+                          correction_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc")
             kw["first_dense_layers"] = int(cfg.get("first_k_dense_replace", 0))
         q = cfg.get("quantization_config") or {}
         if q.get("quant_method") == "fp8":
@@ -262,7 +262,10 @@ def _from_hf(cfg: dict) -> ModelSpec:
     elif arch == "qwen3_moe":
         if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
             raise SpecError(f"{arch}: mlp_only_layers / decoder_sparse_step != 1 are not supported")
-        moe = MoESpec(n_experts=int(_req(cfg, "num_experts", arch)), top_k=int(_req(cfg, "num_experts_per_tok", arch)),
+        n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")   # transformers v5 writes the latter
+        if n_exp is None:
+            raise SpecError(f"{arch} config is missing required field 'num_experts'")
+        moe = MoESpec(n_experts=int(n_exp), top_k=int(_req(cfg, "num_experts_per_tok", arch)),
                       expert_ffn_dim=int(_req(cfg, "moe_intermediate_size", arch)), router="softmax",
                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     window = None

@@ -41,8 +41,13 @@ def load_model(path: str | None = None, dtype=None, progress: bool = True, shard
         else:
             tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
     else:
-        d = SafetensorsDir(path)
-        spec, params = d.load(dtype=dtype, progress=progress)
+        from tbjax.spec import ModelSpec
+        spec = ModelSpec.from_hf_config(path)
+        if spec.moe is not None or spec.mla is not None or spec.quant is not None:
+            from tbjax.weights.hf_names_moe import load_hf   # MoE / MLA names, fp8 block-scaled tensors
+            spec, params, _ = load_hf(path, dtype=dtype, progress=progress)
+        else:
+            spec, params = SafetensorsDir(path).load(spec, dtype=dtype, progress=progress)
         tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
     tok.check_model_vocab(spec.vocab_size, where=f"model at {path}")
     return spec, params, tok

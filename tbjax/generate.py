@@ -19,6 +19,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from free device memory)")
     ap.add_argument("--kv-dtype", default="auto", help="auto (= weights dtype), bfloat16, float8_e4m3fn, float8_e5m2")
     args = ap.parse_args(argv)
 
@@ -30,7 +33,8 @@ def main(argv=None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop).validate()
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, progress=False)
         t1 = time.perf_counter()
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)

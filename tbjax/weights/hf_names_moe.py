@@ -25,23 +25,14 @@ import numpy as np
 
 from tbjax.spec import ModelSpec
 from tbjax.weights.assemble import WeightLoadError, _need, assemble
+from tbjax.weights.safetensors_dir import HF_NAMES
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
               "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
-# Names the dense loader already knows (kept in sync with safetensors_dir.HF_NAMES).
-BASE_NAMES = {
-    "embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight", "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "q": "model.layers.{i}.self_attn.q_proj.weight", "k": "model.layers.{i}.self_attn.k_proj.weight",
-    "v": "model.layers.{i}.self_attn.v_proj.weight", "o": "model.layers.{i}.self_attn.o_proj.weight",
-    "q_bias": "model.layers.{i}.self_attn.q_proj.bias", "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "gate": "model.layers.{i}.mlp.gate_proj.weight", "up": "model.layers.{i}.mlp.up_proj.weight",
-    "down": "model.layers.{i}.mlp.down_proj.weight",
-}
+# Names the dense loader already knows.
+BASE_NAMES = HF_NAMES
 MLA_NAMES = {
     "mla.q_a": "model.layers.{i}.self_attn.q_a_proj.weight",
     "mla.q_a_norm": "model.layers.{i}.self_attn.q_a_layernorm.weight",

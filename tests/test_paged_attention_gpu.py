@@ -1,0 +1,111 @@
+"""Mosaic GPU paged attention kernels: run by the GPU interpreter on CPU against the jnp reference, and lowered
+for cuda (so a kernel that only works in the interpreter fails here).
+
+The interpreter allocates kernel outputs NaN-filled (InterpretGPUParams(uninitialized_memory="nan")), so an
+output row the kernel forgets to write shows up as NaN, which max_err rejects.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+from pallas_kernels.paged_attention import common, gpu, sparse
+from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_ragged
+
+TOL = 2e-2  # bf16 probabilities in the PV matmul and a bf16 output
+
+
+@pytest.mark.parametrize("shape,kw", [
+    # page 16, GQA 4, forced split-K (combine path), an empty and a full sequence
+    (dict(S=4, K=2, g=4, H=64, G=16, Pmax=9), dict(splits=3)),
+    # GQA 8 at H=128, sliding window + soft cap, single split (normalized in-kernel)
+    (dict(S=3, K=2, g=8, H=128, G=16, Pmax=10), dict(sliding_window=45, soft_cap=3.0, splits=1)),
+    # pages larger than a step (a page is read in two 128-token slices); N=9 heads (padded to 16 rows)
+    (dict(S=3, K=3, g=3, H=64, G=256, Pmax=2), {}),
+    # MHA-like group of 1 and 72 heads (> 64 rows: the row window moves with the kv head), page 8
+    (dict(S=2, K=12, g=6, H=64, G=8, Pmax=20), {}),
+])
+def test_gpu_decode_matches_reference(shape, kw):
+  rng, seed = fresh_rng()
+  q, kv, bt, lens, _ = random_decode(rng, **shape)
+  out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=True, **kw)
+  kw.pop("splits", None)
+  ref = pa.paged_decode_attention_reference(q, kv, bt, lens, **kw)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype,G", [(jnp.float8_e4m3fn, 16), (jnp.float8_e5m2, 128)])
+def test_gpu_decode_fp8_matches_fp8_aware_reference(dtype, G):
+  rng, seed = fresh_rng()
+  q, kv, bt, lens, sc = random_decode(rng, S=3, K=2, g=4, H=64, G=G, Pmax=max(2, 192 // G), dtype=dtype)
+  out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, splits=2, interpret=True)
+  ref = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype,g,kw", [
+    (jnp.bfloat16, 4, dict(sliding_window=23)),
+    (jnp.float8_e4m3fn, 8, dict(soft_cap=4.0)),
+])
+def test_gpu_ragged_matches_reference(dtype, g, kw):
+  rng, seed = fresh_rng()
+  q, kv, bt, lens, cu, sc = random_ragged(rng, q_lens=[19, 0, 1, 40], extra=[70, 0, 150, 3], K=2, g=g, H=64, G=16,
+                                          Pmax=12, dtype=dtype)
+  out = gpu.paged_attention_gpu(q, kv, bt, lens, cu, kv_scales_PK=sc, interpret=True, **kw)
+  ref = pa.paged_attention_reference(q, kv, bt, lens, cu, kv_scales_PK=sc, **kw)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+
+
+def test_gpu_sparse_decode_matches_reference_on_its_selection():
+  rng, seed = fresh_rng()
+  q, kv, bt, lens, sc = random_decode(rng, S=2, K=2, g=4, H=64, G=16, Pmax=14, dtype=jnp.float8_e4m3fn,
+                                      lens=[220, 100])
+  kmin = jnp.asarray(rng.standard_normal((kv.shape[0], 2, 64)), jnp.float32)
+  kmax = kmin + jnp.asarray(rng.uniform(0, 1, kmin.shape), jnp.float32)
+  out, (_, logical, count) = pa.paged_sparse_decode_attention(
+      q, kv, bt, lens, kmin, kmax, num_sink_pages=1, num_window_pages=1, top_k_pages=3, kv_scales_PK=sc,
+      impl="gpu_interpret", return_selection=True)
+  assert np.all(np.asarray(count) == 5)
+  ref = pa.sparse_decode_attention_reference(q, kv, bt, lens, logical, kv_scales_PK=sc)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+
+
+def _lower_cuda(f, *args):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_gpu_kernels_lower_for_cuda(dtype):
+  """Decode (split and unsplit), ragged and sparse kernels at production-like shapes lower through Mosaic GPU."""
+  S, K, g, H, G, Pmax, P = 4, 8, 4, 128, 16, 512, 4096
+  sd = jax.ShapeDtypeStruct
+  q = sd((S, K * g, H), jnp.bfloat16)
+  kv = sd((P, G, 2 * K, H), dtype)
+  bt, lens = sd((S, Pmax), jnp.int32), sd((S,), jnp.int32)
+  sc = None if dtype == jnp.bfloat16 else jnp.ones((P, 2 * K), jnp.float32)
+  for splits in (1, 8):
+    txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc,
+                                                                           splits=splits), q, kv, bt, lens).as_text()
+    assert "mosaic_gpu" in txt
+  qT, cu = sd((300, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)
+  _lower_cuda(lambda *a: gpu.paged_attention_gpu(*a, kv_scales_PK=sc, sliding_window=512), qT, kv, bt, lens, cu)
+  B = 20
+  phys, cnt = sd((S, K, B), jnp.int32), sd((S, K), jnp.int32)
+  _lower_cuda(lambda q, kv, p, l, c, lens: sparse._sparse_gpu(q, kv, p, l, c, lens, scale=None, soft_cap=None,
+                                                              kv_scales_PK=sc, interpret=False),
+              q, kv, phys, phys, cnt, lens)
+
+
+@pytest.mark.parametrize("dtype,H,G,why", [
+    (jnp.float32, 64, 16, "float32 pools"),
+    (jnp.bfloat16, 96, 16, "head dim"),
+    (jnp.bfloat16, 64, 12, "page size"),
+])
+def test_gpu_kernel_refuses_shapes_it_cannot_run(dtype, H, G, why):
+  rng, _ = fresh_rng()
+  q, kv, bt, lens, _ = random_decode(rng, S=2, K=2, g=2, H=H, G=G, Pmax=2, dtype=dtype)
+  with pytest.raises(common.Unsupported, match=why):
+    gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=True)

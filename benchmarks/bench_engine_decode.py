@@ -175,11 +175,20 @@ def jax_worker(args) -> dict:
     engine = Engine(spec, params, tok, cfg)
     runner = engine.runner
 
-    fill = jax.jit(lambda pages, key: jax.random.uniform(key, pages.shape, jnp.float32, -1.0, 1.0).astype(pages.dtype),
-                   donate_argnums=0)
+    # Random KV written over the engine's zero pool in place. keep_unused=True matters: `pages` is only used for its
+    # shape, and jit would otherwise prune it, silently skip the donation and hold two pools (an OOM at 8B x 64 x 8k).
+    fill = jax.jit(lambda pages, key: jax.random.uniform(key, pages.shape, pages.dtype, -1.0, 1.0),
+                   donate_argnums=0, keep_unused=True)
     keys = jax.random.split(jax.random.key(1), spec.n_layers)
-    runner.caches = [(fill(p, k), s) for (p, s), k in zip(runner.caches, keys)]
-    jax.block_until_ready(runner.caches)
+    new_caches = []
+    for (p, s), k in zip(runner.caches, keys):
+        q = fill(p, k)
+        q.block_until_ready()
+        if not p.is_deleted():
+            raise RuntimeError("KV fill did not donate the zero pool (two pools would not fit)")
+        new_caches.append((q, s))
+    runner.caches = new_caches
+    del new_caches, p, q
     res["kv_pool_s"] = time.perf_counter() - t0
     res["kv_pool_bytes"] = int(sum(p.nbytes for p, _ in runner.caches))
     res["sections"].append("setup")

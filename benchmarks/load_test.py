@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--channels", type=int, default=1, help="gRPC channels to spread requests over")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before measuring")
+    ap.add_argument("--warmup-same", action="store_true",
+                    help="warm up with the measured workload itself (every shape bucket compiled before measuring)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="with --spawn: engine batch slots")
     ap.add_argument("--num-pages", type=int, default=None, help="with --spawn: KV pages")
     ap.add_argument("--fake-step-time", type=float, default=0.0, help="with --spawn fake: seconds per step")
@@ -364,7 +366,10 @@ def main(argv=None) -> dict:
             info = c.model_info()
         vocab, ctx = info["vocab_size"], info["max_context"]
     jobs = make_workload(a.num_requests, a.prompt_len, a.output_len, vocab, ctx, a.request_rate, a.seed)
-    warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
+    if a.warmup_same:
+        warm = [Job(j.index, j.prompt_token_ids, j.max_tokens, 0.0) for j in jobs]
+    else:
+        warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
     runs = {}
     if a.offline or a.compare_offline:
         if warm:
@@ -382,7 +387,7 @@ def main(argv=None) -> dict:
         else:
             target = a.target
         try:
-            if warm and not a.compare_offline:
+            if warm:
                 asyncio.run(run_grpc(target, warm, a))
             runs["grpc"] = (*asyncio.run(run_grpc(target, jobs, a)), f"gRPC {target}")
         finally:

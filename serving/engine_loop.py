@@ -44,19 +44,34 @@ class Admitted:
 
 
 class RequestStream:
-    """Engine -> servicer channel of one request. Items: Admitted, RequestOutput(s), or one exception."""
+    """Engine -> servicer channel of one request. Items: Admitted, RequestOutput(s), or one exception.
+    The servicer takes everything waiting at once (``get_all``), so a stream that falls behind the engine
+    catches up with one message instead of one per token."""
 
-    __slots__ = ("loop", "queue", "request_id")
+    __slots__ = ("loop", "items", "request_id", "_event")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: collections.deque = collections.deque()
         self.request_id = request_id
+        self._event = asyncio.Event()
+
+    def put(self, item) -> None:  # on the servicer's loop
+        self.items.append(item)
+        self._event.set()
+
+    async def get_all(self) -> list:
+        while not self.items:
+            self._event.clear()
+            await self._event.wait()
+        out = list(self.items)
+        self.items.clear()
+        return out
 
 
 def _deliver(items: list) -> None:  # runs on the servicer's loop
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.put(item)
 
 
 class EngineLoop:

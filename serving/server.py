@@ -126,25 +126,27 @@ class TbjaxServicer:
             t_first = t_last = None
             n_out = 0
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, Admitted):
-                    t_admit = item.time
-                    self.metrics.phase.labels(phase="queue").observe(t_admit - t_validated)
-                    self.metrics.prompt_tokens.inc(n_prompt)
-                    continue
-                if isinstance(item, BaseException):
-                    finished = True  # the engine does not hold it any more
-                    if isinstance(item, EngineStopped):
-                        outcome, code = "unavailable", grpc.StatusCode.UNAVAILABLE
-                    elif isinstance(item, EngineFailed):
-                        outcome, code = "error", grpc.StatusCode.INTERNAL
-                    elif isinstance(item, ValueError):   # refused by the engine (e.g. RequestTooLarge)
-                        outcome, code = "rejected", grpc.StatusCode.INVALID_ARGUMENT
+                batch = await stream.get_all()
+                new_ids, text, lps, reason, error = [], [], [], None, None
+                for item in batch:    # Admitted / outputs (merged into one message) / an exception
+                    if isinstance(item, Admitted):
+                        t_admit = item.time
+                        self.metrics.phase.labels(phase="queue").observe(t_admit - t_validated)
+                        self.metrics.prompt_tokens.inc(n_prompt)
+                    elif isinstance(item, BaseException):
+                        error = item
+                        break
                     else:
-                        outcome, code = "error", grpc.StatusCode.INTERNAL
-                    await self._reject(context, code, str(item) or type(item).__name__)
+                        new_ids.extend(item.new_token_ids)
+                        text.append(item.text_delta or "")
+                        if item.logprobs:
+                            lps.extend(item.logprobs)
+                        if item.finished:
+                            finished, reason = True, item.finish_reason or "stop"
+                            break
+                if error is not None:
+                    finished = True   # the engine does not hold the request any more
                 now = time.perf_counter()
-                new_ids = list(item.new_token_ids)
                 if new_ids:
                     if t_first is None:
                         t_first = now
@@ -155,28 +157,37 @@ class TbjaxServicer:
                     t_last = now
                     n_out += len(new_ids)
                     self.metrics.output_tokens.inc(len(new_ids))
-                if queued and (new_ids or item.finished):
+                if queued and (new_ids or finished):
                     queued = False
                     self.num_queued -= 1
                     self._set_gauges()
-                resp = pb.GenerateResponse(request_id=rid, token_ids=new_ids, text=item.text_delta or "")
-                if item.logprobs:
-                    resp.logprobs.extend(_logprobs_msgs(new_ids, item.logprobs))
-                if item.finished:
-                    finished = True
-                    reason = item.finish_reason or "stop"
-                    resp.finish_reason = FINISH_REASONS.get(reason, pb.FINISH_REASON_ABORT)
-                    resp.usage.prompt_tokens = n_prompt
-                    resp.usage.completion_tokens = n_out
-                    outcome = reason
-                    self.metrics.e2e.observe(now - t_arrival)
-                    if t_first is not None:
-                        self.metrics.phase.labels(phase="decode").observe(now - t_first)
-                        if n_out > 1:
-                            self.metrics.tpot.observe((t_last - t_first) / (n_out - 1))
+                if new_ids or (finished and error is None):
+                    resp = pb.GenerateResponse(request_id=rid, token_ids=new_ids, text="".join(text))
+                    if lps:
+                        resp.logprobs.extend(_logprobs_msgs(new_ids, lps))
+                    if finished and error is None:
+                        resp.finish_reason = FINISH_REASONS.get(reason, pb.FINISH_REASON_ABORT)
+                        resp.usage.prompt_tokens = n_prompt
+                        resp.usage.completion_tokens = n_out
+                        outcome = reason
+                        self.metrics.e2e.observe(now - t_arrival)
+                        if t_first is not None:
+                            self.metrics.phase.labels(phase="decode").observe(now - t_first)
+                            if n_out > 1:
+                                self.metrics.tpot.observe((t_last - t_first) / (n_out - 1))
                     yield resp
+                if error is not None:
+                    if isinstance(error, EngineStopped):
+                        outcome, code = "unavailable", grpc.StatusCode.UNAVAILABLE
+                    elif isinstance(error, EngineFailed):
+                        outcome, code = "error", grpc.StatusCode.INTERNAL
+                    elif isinstance(error, ValueError):   # refused by the engine (e.g. RequestTooLarge)
+                        outcome, code = "rejected", grpc.StatusCode.INVALID_ARGUMENT
+                    else:
+                        outcome, code = "error", grpc.StatusCode.INTERNAL
+                    await self._reject(context, code, str(error) or type(error).__name__)
+                if finished:
                     return
-                yield resp
         finally:
             if submitted and not finished:
                 self.engine_loop.abort(rid)   # client gone / deadline / drain: free its pages now

@@ -14,8 +14,6 @@ Rules (fp8):
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax

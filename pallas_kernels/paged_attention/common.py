@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import numpy as np
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) + FP8_DTYPES
@@ -108,7 +107,3 @@ def check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
 
 def cdiv(a, b):
   return -(-a // b)
-
-
-def np_int(x) -> int:
-  return int(np.asarray(x))

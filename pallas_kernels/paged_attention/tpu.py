@@ -9,6 +9,10 @@ query heads of the kv head (and, for prefill, 64/g tokens) are the rows of one M
 fp8 pools: the DMA brings fp8 pages; the kernel converts in VMEM to f32. Scales are per (page, kv head, K/V);
 the wrapper expands them to one value per kv token of the sequence's page list ([S, K, 2, L] f32, ~3% of the
 fp8 KV bytes) so the kernel reads them as an aligned lane slice instead of scattered scalars.
+
+Status: checked by the TPU interpreter (tests) and by exporting for the tpu platform; never run on a TPU
+(none available here), so Mosaic's own compiler passes (layouts of the strided page DMAs, VMEM limits) and
+the speed are unverified. Needs H % 128 == 0 and a page size that divides 128 or is a multiple of 128.
 """
 from __future__ import annotations
 

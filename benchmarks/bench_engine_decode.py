@@ -110,6 +110,16 @@ def jax_worker(args) -> dict:
             fallbacks.append(record.getMessage()[:300])
     logging.getLogger("pallas_kernels.paged_attention").addHandler(_Catch(level=logging.WARNING))
 
+    compile_s = {"trace": 0.0, "lower": 0.0, "backend": 0.0}
+    ev_names = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                "/jax/core/compile/backend_compile_duration": "backend"}
+
+    def _listen(event, duration, **_):
+        if event in ev_names:
+            compile_s[ev_names[event]] += duration
+    jax.monitoring.register_event_duration_secs_listener(_listen)
+
     dev = jax.devices()[0]
     res["meta"] = {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(dev),
                    "device_kind": getattr(dev, "device_kind", "?"), "attn_impl_requested": args.attn_impl,
@@ -212,9 +222,11 @@ def jax_worker(args) -> dict:
         inp = make_inputs(B, ctx)
         n0 = r.num_compiled
         fb0 = len(fallbacks)
+        c0 = dict(compile_s)
         t = time.perf_counter()
         out = r.run(inp)
         v["first_call_s"] = time.perf_counter() - t
+        v["compile_s"] = {k: round(compile_s[k] - c0[k], 3) for k in compile_s}
         v["bucket_SP"] = list(inp.block_tables_SP.shape)
         v["new_programs"] = r.num_compiled - n0
         v["fallback_warnings"] = fallbacks[fb0:]
@@ -294,6 +306,7 @@ def jax_worker(args) -> dict:
                 engine.add_request(f"e2e-{i}", ids, sp)
             steps = []
             n0 = runner.num_compiled
+            c0 = dict(compile_s)
             while engine.has_unfinished():
                 t = time.perf_counter()
                 outs = engine.step()
@@ -306,6 +319,7 @@ def jax_worker(args) -> dict:
             r["decode_step_ms"] = 1e3 * _median(dec)
             r["decode_tok_s"] = B / (r["decode_step_ms"] * 1e-3)
             r["new_programs"] = runner.num_compiled - n0
+            r["compile_s"] = {k: round(compile_s[k] - c0[k], 3) for k in compile_s}
         except Exception as e:  # noqa: BLE001
             r["error"] = repr(e)[:2000]
         res["e2e"] = r

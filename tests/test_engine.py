@@ -118,7 +118,7 @@ def test_steady_state_never_recompiles(model):
     n0 = eng.runner.num_compiled        # the jit cache is shared by runners of the same step function
     run_all(eng, PROMPTS, params)
     n = eng.runner.num_compiled
-    assert 1 <= n - n0 <= 12            # a small fixed set of buckets
+    assert n - n0 <= 12                 # a small fixed set of buckets (0 when earlier tests compiled them)
     prompts2 = [list(np.random.default_rng(1).integers(0, 256, len(p))) for p in PROMPTS]
     run_all(eng, prompts2, params)
     assert eng.runner.num_compiled == n

@@ -26,7 +26,7 @@ def _start(*args):
 
 
 def test_serve_cli_loopback_stream_and_graceful_sigterm():
-    p, m = _start()
+    p, m = _start("--fake-step-time", "0.005")
     try:
         assert m.group(1) == "127.0.0.1" and m.group(3) == "127.0.0.1"   # loopback unless told otherwise
         target = f"127.0.0.1:{m.group(2)}"
@@ -41,11 +41,12 @@ def test_serve_cli_loopback_stream_and_graceful_sigterm():
         # SIGTERM while a request runs: it completes, then the process exits 0
         with Client(target, timeout=60) as c:
             stream = c.generate_stream(token_ids=[20, 21], max_tokens=300, ignore_eos=True, temperature=0)
-            first = next(stream)
-            p.send_signal(signal.SIGTERM)
-            rest = list(stream)
-        ids = first.token_ids + [t for ch in rest for t in ch.token_ids]
-        assert ids == reference([20, 21], 300, ignore_eos=True)[0] and rest[-1].finish_reason == "length"
+            chunks = [next(stream)]
+            p.send_signal(signal.SIGTERM)     # 300 steps of 5 ms: still running
+            chunks += list(stream)
+        assert len(chunks) >= 2 and chunks[0].finish_reason is None   # it was running when the signal came
+        ids = [t for ch in chunks for t in ch.token_ids]
+        assert ids == reference([20, 21], 300, ignore_eos=True)[0] and chunks[-1].finish_reason == "length"
         assert p.wait(timeout=60) == 0
         err = p.stderr.read()
         assert "draining" in err and "stopped" in err

@@ -161,10 +161,16 @@ def test_request_id_echoed_and_duplicates_refused(fast):
     call = c.generate_call(pb.GenerateRequest(request_id="dup-1", prompt="Hi",
                                               params=pb.SamplingParams(max_tokens=400, ignore_eos=True)))
     first = next(call)
-    assert first.request_id == "dup-1"
-    with pytest.raises(grpc.RpcError) as e:
-        c.generate("Hi", request_id="dup-1", max_tokens=2)
-    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup-1" in e.value.details()
+    assert first.request_id == "dup-1" and not first.finish_reason
+    gate = threading.Event()
+    held = st.server.engine_loop.call(lambda e: gate.wait(30))    # keep dup-1 in flight meanwhile
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("Hi", request_id="dup-1", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup-1" in e.value.details()
+    finally:
+        gate.set()
+    held.result(30)
     aborted = _num_aborted(st)
     call.cancel()
     _wait_all_free(st)
@@ -205,11 +211,22 @@ def test_cancellation_frees_pages(fast):
     st, c = fast
     aborted = _num_aborted(st)
     stream = c.generate_stream(token_ids=[7] * 40, max_tokens=450, ignore_eos=True)
-    for _ in range(3):
-        next(stream)
-    used = st.server.engine_loop.call(lambda e: e.scheduler.stats()["pages_used"]).result(10)
-    assert used >= 10   # 43 tokens over pages of 4
-    stream.close()   # cancels the RPC
+    got = 0
+    while got < 3:
+        ch = next(stream)
+        assert not ch.finish_reason
+        got += len(ch.token_ids)
+    gate = threading.Event()
+    # pause the engine (the request cannot finish meanwhile); note what it holds at that moment
+    held = st.server.engine_loop.call(
+        lambda e: (e.scheduler.num_running, e.scheduler.stats()["pages_used"], gate.wait(30))[:2])
+    try:
+        stream.close()   # cancels the RPC
+        time.sleep(0.1)
+    finally:
+        gate.set()
+    running, used = held.result(30)
+    assert running == 1 and used >= 11   # 43+ tokens in pages of 4
     _wait_all_free(st)
     assert _num_aborted(st) == aborted + 1   # freed by the abort, not by running to the end
 
@@ -293,17 +310,18 @@ def test_backpressure_engine_refusal_and_engine_crash():
 def test_drain_finishes_running_refuses_new():
     with ServerThread(fake_served_model(step_time_s=0.01), metrics_port=None) as st, \
             Client(st.address, timeout=30) as c:
-        stream = c.generate_stream(token_ids=[11, 12], max_tokens=60, ignore_eos=True, temperature=0)
-        first = next(stream)
+        stream = c.generate_stream(token_ids=[11, 12], max_tokens=150, ignore_eos=True, temperature=0)
+        chunks = [next(stream)]
         stopper = threading.Thread(target=st.stop, kwargs={"grace": 20})
         stopper.start()
         time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as e:        # draining: new RPCs are refused
             c.generate("new", max_tokens=2, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        rest = list(stream)                            # the running one completes
-        ids = first.token_ids + [t for ch in rest for t in ch.token_ids]
-        assert ids == reference([11, 12], 60, ignore_eos=True)[0] and rest[-1].finish_reason == "length"
+        chunks += list(stream)                         # the running one completes (150 steps of 10 ms)
+        ids = [t for ch in chunks for t in ch.token_ids]
+        assert ids == reference([11, 12], 150, ignore_eos=True)[0] and chunks[-1].finish_reason == "length"
+        assert chunks[0].finish_reason is None
         stopper.join(30)
         assert not stopper.is_alive() and not st.server.engine_loop.alive
 

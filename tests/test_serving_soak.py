@@ -74,6 +74,8 @@ def test_soak_concurrent_with_random_cancellations():
             if stats["num_running"] == 0 and stats["num_waiting"] == 0:
                 break
             asyncio.run(asyncio.sleep(0.02))
+        aborted = st.server.engine_loop.call(lambda e: e.scheduler.num_aborted).result(10)
+        assert aborted >= outcomes["cancelled"] // 3, (aborted, outcomes)   # cancels reached the engine as aborts
         r = st.server.engine_loop.call(kv_pages_all_free).result(10)
         assert r["all_free"], r
         sv = st.server.servicer

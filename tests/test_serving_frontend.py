@@ -280,8 +280,14 @@ def test_backpressure_engine_refusal_and_engine_crash():
         next(s1), next(s2)
         s3 = c.generate_stream(token_ids=[7], max_tokens=50, ignore_eos=True)
         next(s3)
-        with pytest.raises(grpc.RpcError) as e:      # 3 in flight: the 4th is refused
-            c.generate("x", max_tokens=2)
+        gate = threading.Event()
+        held = st.server.engine_loop.call(lambda e: gate.wait(30))   # nothing finishes meanwhile
+        try:
+            with pytest.raises(grpc.RpcError) as e:      # 3 in flight: the 4th is refused
+                c.generate("x", max_tokens=2)
+        finally:
+            gate.set()
+        held.result(30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in e.value.details()
         s3.close()
         _ = [ch for ch in s1], [ch for ch in s2]

@@ -2,6 +2,11 @@
 
 Everything above (the LLM API, the gRPC server) drives it through add_request / step / abort. It is not
 thread-safe: one thread owns an Engine.
+
+Prefill/decode disaggregation: a prefill engine runs ``add_request(..., prefill_only=True)`` (prompt + the first
+token, pages held when it finishes) and then ``export_kv`` (pages to host, then freed); a decode engine reserves
+pages only when the KV is about to arrive (``reserve_kv``), writes them (``write_kv_pages``) and continues with
+``add_prefilled_request``; ``release_reservation`` (or ``abort``) frees a reservation that never completed.
 """
 from __future__ import annotations
 
@@ -14,9 +19,10 @@ from typing import Hashable
 import jax
 
 from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, init_kv_cache, pages_for_budget
+from tbjax.engine.kv_pages import gather_pages, scatter_pages
 from tbjax.engine.request import FinishReason, Sequence
 from tbjax.engine.runner import ModelRunner
-from tbjax.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig
+from tbjax.engine.scheduler import KVReservationError, RequestTooLarge, Scheduler, SchedulerConfig
 from tbjax.sampling import SamplingParams
 from tbjax.spec import ModelSpec
 from tbjax.tokenizer import TextTokenizer
@@ -47,6 +53,30 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list | None = None          # per new token: (token_logprob, [(id, logprob), ...top-n])
+
+
+@dataclasses.dataclass
+class KVExport:
+    """A prefilled request's KV, on the host, ready to travel to a decode engine."""
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    first_token: int
+    pages: list                           # over layers: np [n_pages, G, 2K, H]
+    scales: list | None                   # over layers: np [n_pages, 2K] (fp8 pools) or None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV the pages hold (the prompt)."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages[0].shape[0]
+
+    def stacked(self):
+        """Pages as one array [n_pages, L, G, 2K, H] (one transfer page = one page id over all layers)."""
+        import numpy as np
+        return np.stack(self.pages, axis=1)
 
 
 @dataclasses.dataclass
@@ -87,36 +117,116 @@ class Engine:
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl)
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
+        self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)
         self.num_steps = 0
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._reqs:
+    def add_request(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prefill_only: bool = False) -> None:
+        """Queue a request. ``prefill_only``: compute the prompt and sample one token (whatever
+        ``params.max_tokens`` says), then keep the pages until ``export_kv`` (or ``abort``)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, max_tokens=1 if prefill_only else None)
+        self.scheduler.add(seq, hold_pages=prefill_only)   # raises RequestTooLarge
+        self._add_state(request_id, params)
+
+    def _new_sequence(self, request_id, prompt_token_ids, params, max_tokens=None) -> Sequence:
+        if request_id in self._reqs or self.scheduler.held(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.spec.vocab_size)
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.spec.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids out of vocabulary (size {self.spec.vocab_size}): {bad[:5]}")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids or self.spec.eos_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), max_tokens=int(params.max_tokens),
-                       stop_token_ids=list(params.stop_token_ids), eos_token_ids=list(eos),
-                       ignore_eos=params.ignore_eos)
-        self.scheduler.add(seq)   # raises RequestTooLarge
+        return Sequence(request_id, list(prompt_token_ids), max_tokens=int(max_tokens or params.max_tokens),
+                        stop_token_ids=list(params.stop_token_ids), eos_token_ids=list(eos),
+                        ignore_eos=params.ignore_eos)
+
+    def _add_state(self, request_id, params) -> _ReqState:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        self._reqs[request_id] = _ReqState(params, seed & 0xFFFFFFFF, arrival=time.monotonic())
+        st = self._reqs[request_id] = _ReqState(params, seed & 0xFFFFFFFF, arrival=time.monotonic())
+        return st
 
     def abort(self, request_id: Hashable) -> bool:
+        """Cancel a request; also frees pages held for export and an open KV reservation under this id."""
         self._reqs.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        held = self.scheduler.release_held(request_id)
+        res = self.scheduler.release_reservation(request_id)
+        return self.scheduler.abort(request_id) or held or res
+
+    # ---- prefill/decode disaggregation -------------------------------------------------------------------
+    def export_kv(self, request_id: Hashable) -> KVExport:
+        """The KV of a finished ``prefill_only`` request, gathered to the host; its pages are freed after."""
+        seq = self.scheduler.held(request_id)
+        if seq is None:
+            what = "still running" if self.scheduler.get(request_id) is not None else "unknown or already exported"
+            raise KeyError(f"request {request_id!r} has no KV to export ({what}; only a finished prefill_only "
+                           "request has)")
+        n = len(seq.prompt_token_ids)
+        ids = seq.block_table[: -(-n // self.config.page_size)]
+        try:
+            pages, scales = gather_pages(self.runner.caches, ids)
+        finally:
+            self.scheduler.release_held(request_id)
+        return KVExport(request_id, list(seq.prompt_token_ids), int(seq.token_ids[n]), pages, scales)
+
+    def reserve_kv(self, request_id: Hashable, n_tokens: int) -> list[int]:
+        """Reserve the pages that ``n_tokens`` of incoming KV fill (late: call when the transfer starts).
+        Raises ``KVReservationError`` when the pages or a sequence slot are not there."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+            raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+        if n_tokens >= self.max_model_len:
+            raise KVReservationError(f"{n_tokens} tokens of KV leave no room for output (max_model_len "
+                                     f"{self.max_model_len})")
+        if request_id in self._reqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self.scheduler.reserve(request_id, -(-n_tokens // self.config.page_size))
+
+    def write_kv_pages(self, request_id: Hashable, layer_pages, layer_scales=None, first_page: int = 0) -> None:
+        """Write received pages (over layers: [n, G, 2K, H]; fp8: scales [n, 2K]) into the reservation's pages
+        ``first_page .. first_page + n - 1``."""
+        res = self.scheduler.reservation(request_id)
+        if res is None:
+            raise KVReservationError(f"no open KV reservation for {request_id!r}")
+        ids = res[1]
+        n = len(layer_pages[0]) if len(layer_pages) else 0
+        if first_page < 0 or n < 1 or first_page + n > len(ids):
+            raise ValueError(f"pages [{first_page}, {first_page + n}) do not fit the {len(ids)} reserved for "
+                             f"{request_id!r}")
+        self.runner.caches = scatter_pages(self.runner.caches, ids[first_page:first_page + n], layer_pages,
+                                           layer_scales)
+
+    def release_reservation(self, request_id: Hashable) -> bool:
+        """Free a reservation whose transfer never completed; False if there is none."""
+        return self.scheduler.release_reservation(request_id)
+
+    def add_prefilled_request(self, request_id: Hashable, prompt_token_ids: list[int], first_token: int,
+                              params: SamplingParams) -> None:
+        """Continue a request whose prompt KV was written into its reservation (same id) and whose first token
+        the prefill side sampled: it decodes from there. Outputs carry only tokens after ``first_token``; the
+        text deltas continue after the first token's text."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not (isinstance(first_token, int) and 0 <= first_token < self.spec.vocab_size):
+            raise ValueError(f"first_token {first_token!r} is not a token id of this vocabulary "
+                             f"(size {self.spec.vocab_size})")
+        reason = self.scheduler.add_prefilled(seq, request_id, first_token)
+        st = self._add_state(request_id, params)
+        st.first_token_time = time.monotonic()
+        first_text = self.tokenizer.decode([first_token], skip_special_tokens=True)
+        st.text = "" if first_text.endswith("\ufffd") else first_text
+        if reason is not None:   # the first token already ended it: report on the next step
+            self._reqs.pop(request_id, None)
+            self._pending.append(RequestOutput(request_id, [], "", True, reason.value))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ---- one iteration -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return pending
         entries, sampling = [], []
         want_lp = False
         for e in batch.entries:
@@ -145,7 +255,7 @@ class Engine:
             if st.first_token_time is None and so.new_token_ids:
                 st.first_token_time = time.monotonic()
             results.append(self._emit(so, st, lp_by_id.get(so.seq_id)))
-        return results
+        return pending + results
 
     def _emit(self, so, st: _ReqState, lp) -> RequestOutput:
         seq = self.scheduler.get(so.seq_id)
@@ -185,4 +295,4 @@ class Engine:
         return d
 
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestTooLarge"]
+__all__ = ["Engine", "EngineConfig", "KVExport", "KVReservationError", "RequestOutput", "RequestTooLarge"]

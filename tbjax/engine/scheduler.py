@@ -21,6 +21,15 @@ A request that could never fit (over ``max_model_len``, or more pages than one r
 ``add`` with ``RequestTooLarge``. Protocol: ``schedule`` -> run the batch -> ``on_step_done``, strictly
 alternating; ``abort`` / ``finish`` free a sequence's pages at once. Block tables can change between
 steps (page deduplication when prefixes are inserted), so read ``seq.block_table`` fresh every step.
+
+Prefill/decode disaggregation adds three things (the engine's ``export_kv`` / ``reserve_kv`` / ``write_kv_pages``
+/ ``add_prefilled_request`` sit on them):
+- ``add(seq, hold_pages=True)``: when such a sequence finishes (not on abort) its pages are *held* instead of
+  freed, until ``release_held`` (after its KV was exported). Held sequences are not unfinished work.
+- ``reserve(key, n_pages)``: take pages for KV that will arrive from elsewhere (the late reservation of a
+  decode worker); ``release_reservation(key)`` gives them back.
+- ``add_prefilled(seq, key)``: a sequence whose prompt KV sits in reserved pages starts RUNNING at once, with
+  ``num_computed_tokens == len(prompt)`` and its first generated token already in ``token_ids``.
 """
 
 from __future__ import annotations
@@ -35,13 +44,17 @@ from .page_allocator import PageAllocator
 from .prefix_cache import PrefixCache, PrefixMatch
 from .request import FinishReason, Sequence, SequenceStatus, StepOutput
 
-__all__ = ["RequestTooLarge", "SchedulerConfig", "ScheduledEntry", "ScheduledBatch", "Scheduler"]
+__all__ = ["RequestTooLarge", "KVReservationError", "SchedulerConfig", "ScheduledEntry", "ScheduledBatch", "Scheduler"]
 
 PREEMPTION_MODES = ("recompute", "never")
 
 
 class RequestTooLarge(ValueError):
     """The request can never be served: prompt + max_tokens exceeds the model's context or one rank's pages."""
+
+
+class KVReservationError(RuntimeError):
+    """A KV reservation cannot be made (no pages / no sequence slot) or is used wrongly (unknown key, size)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -218,14 +231,28 @@ class Scheduler:
         self._arrivals = 0
         self._step = 0
         self._inflight: ScheduledBatch | None = None
+        self._hold: set[Hashable] = set()                      # seq ids whose pages are held when they finish
+        self._held: dict[Hashable, Sequence] = {}              # finished, pages held until release_held
+        self._reservations: dict[Hashable, tuple[int, list[int]]] = {}   # key -> (rank, pages) (late reservations)
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_aborted = 0
         self.max_model_len = config.max_model_len  # None: only one rank's pages limit a request
 
     # -- requests -------------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> Sequence:
-        """Queue a new request; raises ``RequestTooLarge`` if it could never be served."""
+    def add(self, seq: Sequence, *, hold_pages: bool = False) -> Sequence:
+        """Queue a new request; raises ``RequestTooLarge`` if it could never be served. ``hold_pages``: keep
+        its pages when it finishes (see ``release_held``)."""
+        self._check_new(seq)
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self._seqs[seq.seq_id] = seq
+        self._waiting.append(seq)
+        if hold_pages:
+            self._hold.add(seq.seq_id)
+        return seq
+
+    def _check_new(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence):
             raise TypeError(f"add() takes a tbjax.engine.Sequence, got {type(seq).__name__}")
         if seq.status is not SequenceStatus.WAITING or seq.arrival >= 0:
@@ -242,11 +269,8 @@ class Scheduler:
             raise RequestTooLarge(
                 f"request {seq.seq_id!r}: prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) needs "
                 f"{pages} KV pages of {self.page_size} tokens but a dp rank has only {self.config.usable_pages}")
-        seq.arrival = self._arrivals
-        self._arrivals += 1
-        self._seqs[seq.seq_id] = seq
-        self._waiting.append(seq)
-        return seq
+        if seq.seq_id in self._held:
+            raise ValueError(f"request id {seq.seq_id!r} still holds pages (export or release it first)")
 
     def get(self, seq_id: Hashable) -> Sequence | None:
         return self._seqs.get(seq_id)
@@ -271,7 +295,13 @@ class Scheduler:
         return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.status is SequenceStatus.RUNNING:
+        hold = seq.seq_id in self._hold
+        self._hold.discard(seq.seq_id)
+        if seq.status is SequenceStatus.RUNNING and hold and reason is not FinishReason.ABORT:
+            self._running.remove(seq)
+            self.ranks[seq.dp_rank].num_running -= 1
+            self._held[seq.seq_id] = seq       # pages (and cache lock) stay until release_held
+        elif seq.status is SequenceStatus.RUNNING:
             self._release(seq)
             self._running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -281,6 +311,114 @@ class Scheduler:
         del self._seqs[seq.seq_id]
         if reason is not FinishReason.ABORT:
             self.num_finished += 1
+
+    # -- held pages (prefill side of disaggregation) ----------------------------------------------------
+    def held(self, seq_id: Hashable) -> Sequence | None:
+        """A finished sequence whose pages are held (``add(..., hold_pages=True)``), or None."""
+        return self._held.get(seq_id)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def release_held(self, seq_id: Hashable) -> bool:
+        """Free the pages of a held sequence; False if ``seq_id`` holds none."""
+        self._hold.discard(seq_id)
+        seq = self._held.pop(seq_id, None)
+        if seq is None:
+            return False
+        self._drop_pages(seq)
+        return True
+
+    # -- late reservations and prefilled sequences (decode side) ----------------------------------------
+    def reserve(self, key: Hashable, num_pages: int) -> list[int]:
+        """Take ``num_pages`` pages (and one sequence slot) for KV that will be written from elsewhere."""
+        if not _is_int(num_pages) or num_pages < 1:
+            raise KVReservationError(f"reservation {key!r}: num_pages must be an int >= 1, got {num_pages!r}")
+        if key in self._reservations:
+            raise KVReservationError(f"reservation {key!r} already exists")
+        if num_pages > self.config.usable_pages:
+            raise KVReservationError(f"reservation {key!r}: {num_pages} pages wanted but a dp rank has only "
+                                     f"{self.config.usable_pages}")
+        if len(self._running) + len(self._reservations) >= self.config.max_num_seqs:
+            raise KVReservationError(f"reservation {key!r}: all {self.config.max_num_seqs} sequence slots are taken "
+                                     f"({len(self._running)} running, {len(self._reservations)} reserved)")
+        r = max(self.ranks, key=lambda r: (r.headroom, -r.num_running, -r.idx))
+        if r.headroom < num_pages:
+            raise KVReservationError(f"reservation {key!r}: {num_pages} KV pages wanted, only {max(0, r.headroom)} "
+                                     f"obtainable (free + evictable, less reservations)")
+        short = num_pages - r.allocator.num_free
+        if short > 0 and r.cache is not None:
+            r.cache.evict(short)
+        pages = r.allocator.allocate(num_pages)
+        self._reservations[key] = (r.idx, pages)
+        return list(pages)
+
+    def reservation(self, key: Hashable) -> tuple[int, list[int]] | None:
+        """(dp rank, page ids) of an open reservation, or None."""
+        res = self._reservations.get(key)
+        return None if res is None else (res[0], list(res[1]))
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    def release_reservation(self, key: Hashable) -> bool:
+        """Give back the pages of a reservation that will not be used; False if there is none."""
+        res = self._reservations.pop(key, None)
+        if res is None:
+            return False
+        self.ranks[res[0]].allocator.decref_all(res[1])
+        return True
+
+    def add_prefilled(self, seq: Sequence, key: Hashable, first_token: int) -> FinishReason | None:
+        """Start ``seq`` RUNNING on the pages of reservation ``key``, which hold its whole prompt's KV, with
+        ``first_token`` (sampled by the prefill side) appended. Returns a finish reason when that token already
+        ends the request (its pages are then freed and nothing runs)."""
+        self._check_new(seq)
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or first_token < 0:
+            raise ValueError(f"request {seq.seq_id!r}: first_token must be a non-negative int, got {first_token!r}")
+        res = self._reservations.get(key)
+        if res is None:
+            raise KVReservationError(f"no reservation {key!r} for request {seq.seq_id!r} (released or never made)")
+        rank, pages = res
+        need = _cdiv(seq.num_prompt_tokens, self.page_size)
+        if len(pages) != need:
+            raise KVReservationError(f"reservation {key!r} has {len(pages)} pages; the {seq.num_prompt_tokens}-token "
+                                     f"prompt of {seq.seq_id!r} fills {need}")
+        r = self.ranks[rank]
+        extra = 0
+        if self.config.preemption == "never":
+            extra = max(0, _cdiv(seq.max_kv_tokens, self.page_size) - need)
+            if extra > r.headroom:
+                raise KVReservationError(f"request {seq.seq_id!r}: {extra} more pages needed for its output, only "
+                                         f"{max(0, r.headroom)} obtainable")
+        del self._reservations[key]
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        first = int(first_token)
+        seq.token_ids.append(first)
+        reason = seq.check_stop(first)
+        if reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            r.allocator.decref_all(pages)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            if reason is FinishReason.STOP:
+                seq.stop_token_id = first
+            self.num_finished += 1
+            return reason
+        seq.dp_rank = rank
+        seq.status = SequenceStatus.RUNNING
+        seq.block_table = list(pages)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq._reserved_pages = extra
+        r.reserved += extra
+        r.num_running += 1
+        self._seqs[seq.seq_id] = seq
+        bisect.insort(self._running, seq, key=lambda s: s.arrival)
+        return None
 
     # -- queries --------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -310,6 +448,10 @@ class Scheduler:
     # -- pages ----------------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         """Drop everything a running sequence holds: its cache lock, its page references, its reservation."""
+        self._drop_pages(seq)
+        self.ranks[seq.dp_rank].num_running -= 1
+
+    def _drop_pages(self, seq: Sequence) -> None:
         r = self.ranks[seq.dp_rank]
         if seq._cache_node is not None:
             r.cache.unlock(seq._cache_node)
@@ -318,7 +460,6 @@ class Scheduler:
         seq.block_table = []
         r.reserved -= seq._reserved_pages
         seq._reserved_pages = 0
-        r.num_running -= 1
 
     def _tokens_coverable(self, seq: Sequence) -> int:
         """How many more tokens (from num_computed_tokens) ``seq`` can get pages for right now."""
@@ -605,6 +746,12 @@ class Scheduler:
             holders = collections.Counter()
             seqs = [s for s in self._running if s.dp_rank == r.idx]
             assert r.num_running == len(seqs)
+            for s in self._held.values():
+                if s.dp_rank == r.idx:
+                    holders.update(s.block_table)
+            for rank, pages in self._reservations.values():
+                if rank == r.idx:
+                    holders.update(pages)
             for s in seqs:
                 assert s.status is SequenceStatus.RUNNING
                 assert len(s.block_table) >= _cdiv(s.num_computed_tokens, g)
@@ -620,6 +767,7 @@ class Scheduler:
             for p in range(a.num_pages - a.num_usable, a.num_pages):
                 want = holders[p] + (p in cached)
                 assert a.refcount(p) == want, f"rank {r.idx} page {p}: refcount {a.refcount(p)} != holders {want}"
-            assert r.reserved == sum(s._reserved_pages for s in seqs)
+            assert r.reserved == sum(s._reserved_pages for s in seqs) + \
+                sum(s._reserved_pages for s in self._held.values() if s.dp_rank == r.idx)
             if self.config.preemption == "never":
                 assert r.headroom >= 0, f"rank {r.idx}: reservations exceed free + evictable pages"

@@ -33,8 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None,
                     help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: from the model path)")
-    ap.add_argument("--role", default="colocated", choices=["colocated"],
-                    help="colocated: one engine does prefill and decode (prefill/decode/router roles come later)")
+    ap.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router"],
+                    help="colocated: one engine does prefill and decode; prefill / decode: a worker of disaggregated "
+                         "serving; router: the public API in front of --prefill-workers and --decode-workers")
+    pd = ap.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--prefill-workers", default="", help="router: comma-separated host:port of prefill workers")
+    pd.add_argument("--decode-workers", default="", help="router: comma-separated host:port of decode workers")
+    pd.add_argument("--kv-timeout", type=float, default=10.0,
+                    help="decode: seconds a KV reservation (or landed KV) lives without progress")
+    pd.add_argument("--kv-chunk-pages", type=int, default=8, help="prefill: KV pages per transfer chunk")
+    pd.add_argument("--worker-timeout", type=float, default=60.0,
+                    help="router / prefill: seconds to wait for a worker's next message")
     net = ap.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="gRPC listen address (loopback unless you say otherwise)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free port)")
@@ -78,6 +87,8 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
     engine_kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens",
                                    a.max_num_batched_tokens), ("num_pages", a.num_pages), ("page_size", a.page_size),
                                    ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype)) if v is not None}
+    if a.role == "router":   # the router only tokenizes and validates: its engine never runs
+        engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
     llm = tbjax.LLM(a.model, progress=False, **engine_kw)
     return ServedModel.from_llm(llm, name=a.served_model_name or model_name_for_path(a.model))
 
@@ -97,7 +108,10 @@ async def _serve(a: argparse.Namespace, model: ServedModel) -> int:
                     default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
                     max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
     server = Server(model, host=a.host, port=a.port, limits=limits, metrics_host=a.metrics_host,
-                    metrics_port=None if a.metrics_port < 0 else a.metrics_port, role=a.role)
+                    metrics_port=None if a.metrics_port < 0 else a.metrics_port, role=a.role,
+                    prefill_workers=[w for w in a.prefill_workers.split(",") if w],
+                    decode_workers=[w for w in a.decode_workers.split(",") if w],
+                    kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -132,7 +146,12 @@ async def _serve(a: argparse.Namespace, model: ServedModel) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.role == "router" and not (a.prefill_workers and a.decode_workers):
+        ap.error("--role router needs --prefill-workers and --decode-workers")
+    if a.role != "router" and (a.prefill_workers or a.decode_workers):
+        ap.error(f"--prefill-workers / --decode-workers are for --role router, not {a.role}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
@@ -144,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = load_served_model(a)
     print(f"tbjax: loaded {model.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if a.warmup:
+    if a.warmup and a.role != "router":
         print(f"tbjax: warmup took {_warmup(model):.1f} s", file=sys.stderr, flush=True)
     try:
         return asyncio.run(_serve(a, model))

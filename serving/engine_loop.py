@@ -95,11 +95,13 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, stream: RequestStream) -> None:
-        """Queue a request for the engine; its outputs and fate arrive on ``stream``."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, stream: RequestStream,
+               adder: Callable[[Any], None] | None = None) -> None:
+        """Queue a request for the engine; its outputs and fate arrive on ``stream``. ``adder(engine)`` replaces
+        ``engine.add_request(request_id, prompt_token_ids, params)`` (e.g. a prefill-only or prefilled request)."""
         if self._stopped.is_set():
             raise EngineStopped("the engine loop is stopped")
-        self._inbox.put(("add", request_id, prompt_token_ids, params, stream))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, stream, adder))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (frees its KV pages); unknown or finished ids are ignored."""
@@ -190,12 +192,15 @@ class EngineLoop:
     def _handle(self, cmd, out) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, stream = cmd
+            _, rid, ids, params, stream, adder = cmd
             if rid in self._streams:
                 out[stream.loop].append((stream, ValueError(f"request id {rid!r} is already in flight")))
                 return
             try:
-                self.engine.add_request(rid, ids, params)
+                if adder is None:
+                    self.engine.add_request(rid, ids, params)
+                else:
+                    adder(self.engine)
             except Exception as e:  # noqa: BLE001 - refused request: the caller maps it to a status
                 out[stream.loop].append((stream, e))
                 return

@@ -23,6 +23,7 @@ sides agree on a codec at Announce.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
@@ -121,7 +122,8 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool(Protocol):
-    def reserve(self, n: int) -> list[int]: ...          # raises OutOfPages when it cannot
+    # reserve and write may also be coroutines (a pool behind an engine thread)
+    def reserve(self, n: int, request_id: str = "") -> list[int]: ...   # raises OutOfPages when it cannot
 
     def write(self, page_ids: Sequence[int], pages: np.ndarray) -> None: ...
 
@@ -144,7 +146,7 @@ class ArrayPagePool:
     def num_pages(self) -> int:
         return self.data.shape[0]
 
-    def reserve(self, n: int) -> list[int]:
+    def reserve(self, n: int, request_id: str = "") -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
         return [self._free.pop() for _ in range(n)]
@@ -252,7 +254,9 @@ class KVReceiver:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no common codec: sender has {list(req.codecs)}, receiver {self.codecs}")
         try:
-            pages = self.pool.reserve(req.num_pages)      # the late reservation
+            pages = self.pool.reserve(req.num_pages, request_id=req.request_id)      # the late reservation
+            if inspect.isawaitable(pages):
+                pages = await pages
         except Exception as e:  # noqa: BLE001 - the pool's own out-of-pages error
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve {req.num_pages} KV pages: {e}")
         rid = uuid.uuid4().hex
@@ -280,7 +284,7 @@ class KVReceiver:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "one stream carries one reservation")
                 if res.id not in self._res:
                     raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
-                self._take_chunk(res, chunk)
+                await self._take_chunk(res, chunk)
                 if chunk.last:
                     if not res.received.all():
                         missing = np.flatnonzero(~res.received)[:8].tolist()
@@ -306,7 +310,7 @@ class KVReceiver:
         return kvpb.PushResult(reservation_id=res.id, pages=len(res.pages), raw_bytes=res.raw_bytes,
                                wire_bytes=res.wire_bytes)
 
-    def _take_chunk(self, res: _Reservation, chunk) -> None:
+    async def _take_chunk(self, res: _Reservation, chunk) -> None:
         n, first = chunk.num_pages, chunk.first_page
         if n < 1 or first < 0 or first + n > len(res.pages):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -324,7 +328,14 @@ class KVReceiver:
             pages = CODECS[res.codec].decode(chunk.payload, self.dtype, (n, *self.page_shape))
         except Exception as e:  # noqa: BLE001
             raise _Abort(grpc.StatusCode.DATA_LOSS, f"cannot decode chunk at page {first}: {e}") from None
-        self.pool.write(res.pages[first:first + n], pages)
+        try:
+            w = self.pool.write(res.pages[first:first + n], pages)
+            if inspect.isawaitable(w):
+                await w
+        except Exception as e:  # noqa: BLE001 - the pool could not store them
+            raise _Abort(grpc.StatusCode.INTERNAL, f"cannot store chunk at page {first}: {e}") from None
+        if res.id not in self._res:
+            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
         res.received[first:first + n] = True
         res.raw_bytes += chunk.raw_nbytes
         res.wire_bytes += len(chunk.payload)
@@ -388,7 +399,9 @@ class KVSender:
     """Prefill side: ``await send(request_id, pages)`` announces, then streams the pages chunk by chunk."""
 
     def __init__(self, channel: grpc.aio.Channel, *, codecs: Sequence[str] = ("raw",), chunk_pages: int = 16,
-                 timeout_s: float = 30.0, metrics=None):
+                 timeout_s: float = 30.0, metrics=None, stall_after_chunks: int | None = None,
+                 stall_s: float = 3600.0):
+        self.stall_after_chunks, self.stall_s = stall_after_chunks, stall_s
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
             raise ValueError(f"unknown codecs {unknown}; registered: {sorted(CODECS)}")
@@ -402,6 +415,13 @@ class KVSender:
                                           response_deserializer=kvpb.PushResult.FromString)
         self._release = channel.unary_unary(p + "Release", request_serializer=kvpb.ReleaseRequest.SerializeToString,
                                             response_deserializer=kvpb.ReleaseResponse.FromString)
+
+    async def _chunks_async(self, reservation_id: str, codec: str, pages: np.ndarray):
+        for i, chunk in enumerate(self.chunks(reservation_id, codec, pages)):
+            if self.stall_after_chunks is not None and i == self.stall_after_chunks:
+                await asyncio.sleep(self.stall_s)     # test hook: a sender that hangs mid-transfer
+            yield chunk
+            await asyncio.sleep(0)
 
     def chunks(self, reservation_id: str, codec: str, pages: np.ndarray):
         enc = CODECS[codec]
@@ -426,7 +446,7 @@ class KVSender:
             raise TransferError(e.code(), f"announce of {request_id!r} failed: {e.details()}") from None
         t1 = time.perf_counter()
         try:
-            result = await self._push(self.chunks(ann.reservation_id, ann.codec, pages), timeout=self.timeout_s)
+            result = await self._push(self._chunks_async(ann.reservation_id, ann.codec, pages), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise TransferError(e.code(), f"transfer of {request_id!r} failed: {e.details()}") from None
         except BaseException:

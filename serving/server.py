@@ -177,7 +177,10 @@ class TbjaxServicer:
                                 self.metrics.tpot.observe((t_last - t_first) / (n_out - 1))
                     yield resp
                 if error is not None:
-                    if isinstance(error, EngineStopped):
+                    if isinstance(getattr(error, "code", None), grpc.StatusCode):   # a worker's status (router)
+                        code = error.code
+                        outcome = "unavailable" if code == grpc.StatusCode.UNAVAILABLE else "error"
+                    elif isinstance(error, EngineStopped):
                         outcome, code = "unavailable", grpc.StatusCode.UNAVAILABLE
                     elif isinstance(error, EngineFailed):
                         outcome, code = "error", grpc.StatusCode.INTERNAL
@@ -229,20 +232,41 @@ def _generic_handler(servicer: TbjaxServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+ROLES = ("colocated", "prefill", "decode", "router")
+
+
 class Server:
-    """A tbjax gRPC server (colocated role: one engine does prefill and decode)."""
+    """A tbjax gRPC server. Roles: ``colocated`` (one engine does prefill and decode; the default),
+    ``prefill`` / ``decode`` (a worker of disaggregated serving: the public API plus the worker service
+    ``tbjax.pd.v1.Worker``, and for decode the KV transfer service), ``router`` (the public API over workers:
+    ``prefill_workers`` / ``decode_workers`` addresses; no engine runs)."""
 
     def __init__(self, model: ServedModel, *, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
-                 metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated"):
-        if role != "colocated":
-            raise ValueError(f"role {role!r} is not implemented yet (only 'colocated')")
+                 metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated",
+                 prefill_workers: list[str] | None = None, decode_workers: list[str] | None = None,
+                 kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0):
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
         self.model = model
         self.host, self.port = host, port
         self.limits = limits or Limits()
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.role = role
         self.metrics = ServerMetrics(role)
-        self.engine_loop = EngineLoop(model.engine, self.metrics)
+        self.pd_service = None
+        if role == "router":
+            from .router import Router
+            self.engine_loop = Router(prefill_workers or [], decode_workers or [], timeout_s=worker_timeout_s)
+        else:
+            self.engine_loop = EngineLoop(model.engine, self.metrics)
+            if role == "prefill":
+                from .pd_worker import PrefillService
+                self.pd_service = PrefillService(self.engine_loop, model.make_params, timeout_s=worker_timeout_s,
+                                                 chunk_pages=kv_chunk_pages)
+            elif role == "decode":
+                from .pd_worker import DecodeService
+                self.pd_service = DecodeService(self.engine_loop, model.make_params, timeout_s=kv_timeout_s,
+                                                metrics=self.metrics)
         self.servicer = TbjaxServicer(model, self.engine_loop, self.limits, self.metrics, role)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -258,11 +282,19 @@ class Server:
     async def start(self) -> int:
         mb = self.limits.max_message_bytes
         server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", mb),
+            # a decode worker receives KV chunks (a few MB each): the public limit applies to tbjax.v1 requests
+            # only through Limits' own check there
+            ("grpc.max_receive_message_length", max(mb, 64 << 20) if self.role == "decode" else mb),
             ("grpc.max_send_message_length", max(mb, 4 << 20)),
             ("grpc.so_reuseport", 0),
         ])
         server.add_generic_rpc_handlers((_generic_handler(self.servicer),))
+        if self.pd_service is not None:
+            from .pd_worker import worker_handler
+            server.add_generic_rpc_handlers((worker_handler(self.pd_service),))
+            if self.role == "decode":
+                server.add_generic_rpc_handlers((self.pd_service.handler(),))
+                self.pd_service.start()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         h = f"[{self.host}]" if ":" in self.host else self.host
@@ -293,6 +325,10 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.stop(grace)
+        if self.pd_service is not None:
+            await (self.pd_service.stop() if self.role == "decode" else self.pd_service.close())
+        if self.role == "router":
+            await self.engine_loop.close()
         await asyncio.to_thread(self.engine_loop.stop)
         self.metrics.stop_http()
         self._server = None

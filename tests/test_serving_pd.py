@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation end to end on CPU with the real default model over real gRPC on loopback: three
+processes (`python -m tbjax.serve --role prefill|decode|router`). Streamed greedy output through the router equals
+colocated `tbjax.LLM` output (token ids and text), and both workers end with every KV page free. Fault: the prefill
+process is killed mid-transfer (a test hook makes it hang after one KV chunk): the client gets UNAVAILABLE, the decode
+worker frees its reservation within the KV timeout, and its allocator is full again."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+
+from serving.client import Client
+from serving.pd_worker import PD_SERVICE, STALL_ENV
+
+import tbjax
+from tbjax.sampling import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-pages", "256"]   # as the e2e test
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village, there lived an old man who"]
+N_TOK = 8
+KV_TIMEOUT = 4.0
+# > 1 page of 16 tokens, so a transfer with 1 page per chunk is cut after its first chunk
+LONG = "In the beginning of the long winter the villagers gathered wood, stored grain, mended their roofs and " \
+       "told each other stories by the fire until the snow came down."
+
+
+def _start(role, *args, env=None):
+    err = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--role", role, "--port", "0", "--metrics-port", "-1",
+                          *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                         env={**os.environ, **(env or {})})
+    p.err = err
+    return p
+
+
+def _address(p):
+    line = p.stdout.readline()
+    m = re.search(r"on (\S+:\d+) \(gRPC tbjax.v1\)", line)
+    if not m:
+        p.kill()
+        p.err.seek(0)
+        raise AssertionError(f"no listen line: {line!r} {p.err.read()[-3000:]}")
+    return m.group(1)
+
+
+def _stats(target):
+    with grpc.insecure_channel(target) as ch:
+        rpc = ch.unary_unary(f"/{PD_SERVICE}/Stats", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        return json.loads(rpc(b"{}", timeout=30))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pre = _start("prefill", *ENGINE, "--kv-chunk-pages", "1", env={STALL_ENV: "stall-"})
+    dec = _start("decode", *ENGINE, "--kv-timeout", str(KV_TIMEOUT))
+    procs = [pre, dec]
+    try:
+        p_addr, d_addr = _address(pre), _address(dec)
+        router = _start("router", "--prefill-workers", p_addr, "--decode-workers", d_addr, "--worker-timeout", "120")
+        procs.append(router)
+        # the colocated reference, computed here while the workers load
+        llm = tbjax.LLM(progress=False, max_num_seqs=8, max_num_batched_tokens=256, num_pages=256)
+        # one prompt at a time, as they are sent: bf16 near-ties may flip with the batch's composition
+        ref = [llm.generate([p], [SamplingParams.greedy(N_TOK)])[0] for p in PROMPTS]
+        r_addr = _address(router)
+        with Client(r_addr, timeout=300) as c:
+            yield dict(pre=pre, dec=dec, router=router, p_addr=p_addr, d_addr=d_addr, client=c, ref=ref, llm=llm)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+
+
+def _all_free(target):
+    s = _stats(target)
+    return s["pages_free"] == s["pages_usable"] and s["reservations"] == 0 and s["held"] == 0 and not s["unfinished"]
+
+
+def test_disaggregated_stream_equals_colocated(cluster):
+    c, ref = cluster["client"], cluster["ref"]
+    got = [list(c.generate_stream(p, max_tokens=N_TOK, temperature=0)) for p in PROMPTS]   # one at a time
+    for i, want in enumerate(ref):
+        chunks = got[i]
+        assert [t for ch in chunks for t in ch.token_ids] == want.token_ids, i
+        assert "".join(ch.text for ch in chunks) == want.text, i
+        assert chunks[-1].finish_reason == want.finish_reason
+        assert len(chunks) >= 2                                  # first token from prefill, the rest streamed
+    assert _all_free(cluster["p_addr"]) and _all_free(cluster["d_addr"])
+
+
+def test_killed_prefill_mid_transfer_frees_the_reservation(cluster):
+    c, d_addr = cluster["client"], cluster["d_addr"]
+    err = {}
+
+    def run():
+        try:
+            list(c.generate_stream(LONG, max_tokens=N_TOK, temperature=0, request_id="stall-1"))
+        except grpc.RpcError as e:
+            err["e"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 120
+    while time.time() < deadline:                 # wait until the decode side holds the reservation
+        s = _stats(d_addr)
+        if s["open_transfers"] == 1:
+            break
+        time.sleep(0.05)
+    assert s["open_transfers"] == 1 and s["reservations"] == 1 and s["pages_free"] < s["pages_usable"], s
+    cluster["pre"].send_signal(signal.SIGKILL)
+    t_kill = time.time()
+    t.join(60)
+    assert "e" in err and err["e"].code() == grpc.StatusCode.UNAVAILABLE, err
+    while time.time() - t_kill < KV_TIMEOUT + 2 and not _all_free(d_addr):
+        time.sleep(0.05)
+    freed_after = time.time() - t_kill
+    s = _stats(d_addr)
+    assert s["pages_free"] == s["pages_usable"] and s["reservations"] == 0 and s["open_transfers"] == 0, s
+    assert freed_after <= KV_TIMEOUT + 2

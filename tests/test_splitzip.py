@@ -5,8 +5,6 @@ here straight from the layout description (not from the codec's own packing code
 """
 import collections
 import json
-import os
-import secrets
 import struct
 
 import jax
@@ -19,21 +17,9 @@ import pallas_kernels.splitzip as sz
 from pallas_kernels.splitzip import framing, reference
 from pallas_kernels.splitzip.layout import Geometry, payload_bytes
 
+from splitzip_helpers import kv_like, rng  # noqa: F401  (rng is a fixture)
+
 BF16 = ml_dtypes.bfloat16
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("SPLITZIP_SEED", secrets.randbits(32)))
-    print(f"seed {seed} (rerun with SPLITZIP_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
-def kv_like(rng, n, head_dim=64):
-    t = -(-n // head_dim)
-    sc = np.exp2(rng.uniform(-3, 1, head_dim))
-    st = np.exp2(rng.uniform(-1, 1, (t, 1)))
-    return (rng.standard_normal((t, head_dim)) * sc * st).astype(BF16).reshape(-1)[:n]
 
 
 def special_values(rng, n):

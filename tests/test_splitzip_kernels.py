@@ -2,8 +2,6 @@
 compared stream for stream with the numpy reference; GPU kernels lowered for cuda, TPU kernels
 exported for tpu. Interpreted outputs start poisoned (all ones), so an unwritten word shows up.
 """
-import os
-import secrets
 
 import jax
 import jax.numpy as jnp
@@ -14,22 +12,10 @@ import pytest
 import pallas_kernels.splitzip as sz
 from pallas_kernels.splitzip import dispatch, gpu, tpu
 
+from splitzip_helpers import kv_like, rng  # noqa: F401  (rng is a fixture)
+
 BF16 = ml_dtypes.bfloat16
 CHUNK = 1024
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("SPLITZIP_SEED", secrets.randbits(32)))
-    print(f"seed {seed} (rerun with SPLITZIP_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
-def kv_like(rng, n, head_dim=64):
-    t = -(-n // head_dim)
-    sc = np.exp2(rng.uniform(-3, 1, head_dim))
-    st = np.exp2(rng.uniform(-1, 1, (t, 1)))
-    return (rng.standard_normal((t, head_dim)) * sc * st).astype(BF16).reshape(-1)[:n]
 
 
 def planted(rng, nch):

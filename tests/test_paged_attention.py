@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as pa
-from pallas_kernels.paged_attention import common, sparse
+from pallas_kernels.paged_attention import common
 from test_paged_attention_oracle import (fresh_rng, max_err, oracle_decode, oracle_ragged, random_decode,
                                          random_ragged)
 

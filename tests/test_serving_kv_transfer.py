@@ -4,7 +4,6 @@ and a killed sender process all free the reservation (quickly, or within the tim
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
 import textwrap
 import time

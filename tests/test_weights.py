@@ -4,7 +4,6 @@ Every loader is checked against transformers' logits (tests/data), not against a
 """
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,6 @@ The KV pools are donated and updated in place.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from test_spec import CONFIGS
 from tbjax.default_model import default_model_path
 from tbjax.model import forward_dense
 from tbjax.weights import WeightLoadError, checkpoint, convert, load_model
@@ -63,8 +64,7 @@ def _export_hf_dir(path, spec, params, tok, config_overrides=None):
     keys = sorted(t)
     save_file({k: t[k] for k in keys[:half]}, str(path / "model-00001-of-00002.safetensors"))
     save_file({k: t[k] for k in keys[half:]}, str(path / "model-00002-of-00002.safetensors"))
-    with open("/work/shared/configs/smollm2-135m-instruct.json" if os.path.exists("/work/shared/configs") else
-              os.path.join(os.path.dirname(__file__), "..", "..", "shared", "configs", "smollm2-135m-instruct.json")) as f:
+    with open(os.path.join(CONFIGS, "smollm2-135m-instruct.json")) as f:
         cfg = json.load(f)
     cfg.update(config_overrides or {})
     (path / "config.json").write_text(json.dumps(cfg))

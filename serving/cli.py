@@ -33,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None,
                     help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: from the model path)")
-    ap.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router"],
+    ap.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router", "split"],
                     help="colocated: one engine does prefill and decode; prefill / decode: a worker of disaggregated "
-                         "serving; router: the public API in front of --prefill-workers and --decode-workers")
+                         "serving; router: the public API in front of --prefill-workers and --decode-workers; split: "
+                         "router + prefill worker + decode worker in this one process, the two engines on disjoint "
+                         "device sets (first half / second half of jax.devices())")
     pd = ap.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--prefill-workers", default="", help="router: comma-separated host:port of prefill workers")
     pd.add_argument("--decode-workers", default="", help="router: comma-separated host:port of decode workers")
@@ -89,8 +91,27 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
                                    ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype)) if v is not None}
     if a.role == "router":   # the router only tokenizes and validates: its engine never runs
         engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
+    name = a.served_model_name or model_name_for_path(a.model)
+    if a.role == "split":
+        return tuple(ServedModel.from_llm(_llm_on(tbjax, a.model, dev, engine_kw), name=name)
+                     for dev in split_devices())
     llm = tbjax.LLM(a.model, progress=False, **engine_kw)
-    return ServedModel.from_llm(llm, name=a.served_model_name or model_name_for_path(a.model))
+    return ServedModel.from_llm(llm, name=name)
+
+
+def split_devices():
+    """--role split: the prefill engine on the first half of this process's devices, decode on the second half."""
+    import jax
+    devs = jax.devices()
+    if len(devs) < 2:
+        raise SystemExit(f"tbjax: --role split needs at least 2 devices, this process has {len(devs)}")
+    return devs[0], devs[len(devs) // 2]
+
+
+def _llm_on(tbjax, path, device, engine_kw):
+    import jax
+    with jax.default_device(device):   # weights and KV pools of this engine live on `device`
+        return tbjax.LLM(path, progress=False, **engine_kw)
 
 
 def _warmup(model: ServedModel) -> float:
@@ -103,7 +124,25 @@ def _warmup(model: ServedModel) -> float:
     return time.perf_counter() - t0
 
 
-async def _serve(a: argparse.Namespace, model: ServedModel) -> int:
+async def _serve_split(a: argparse.Namespace, models) -> int:
+    """Prefill and decode workers on disjoint device sets of this process, behind the public router. KV moves
+    between them over the same transfer service (loopback gRPC, SplitZip, per-chunk checksums) as across hosts."""
+    pre_model, dec_model = models
+    workers = [Server(m, host="127.0.0.1", port=0, limits=Limits(), metrics_port=None, role=r,
+                      kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout)
+               for m, r in ((pre_model, "prefill"), (dec_model, "decode"))]
+    for w in workers:
+        await w.start()
+    try:
+        a = argparse.Namespace(**{**vars(a), "role": "router", "prefill_workers": workers[0].address,
+                                  "decode_workers": workers[1].address})
+        return await _serve(a, pre_model, label="split: router + prefill + decode workers in one process")
+    finally:
+        for w in reversed(workers):
+            await w.stop(0)
+
+
+async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = None) -> int:
     limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
                     default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
                     max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
@@ -127,7 +166,7 @@ async def _serve(a: argparse.Namespace, model: ServedModel) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
     await server.start()
-    where = f"tbjax: serving {model.name} ({a.role}) on {server.address} (gRPC tbjax.v1)"
+    where = f"tbjax: serving {model.name} ({label or a.role}) on {server.address} (gRPC tbjax.v1)"
     if server.bound_metrics_port is not None:
         where += f", metrics on http://{a.metrics_host}:{server.bound_metrics_port}/metrics"
     print(where, flush=True)
@@ -150,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.role == "router" and not (a.prefill_workers and a.decode_workers):
         ap.error("--role router needs --prefill-workers and --decode-workers")
+    if a.role == "split" and a.fake_engine:
+        ap.error("--role split serves the real model; --fake-engine is for colocated front-end tests")
     if a.role != "router" and (a.prefill_workers or a.decode_workers):
         ap.error(f"--prefill-workers / --decode-workers are for --role router, not {a.role}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,10 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     model = load_served_model(a)
-    print(f"tbjax: loaded {model.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if a.warmup and a.role != "router":
+    print(f"tbjax: loaded {(model[0] if isinstance(model, tuple) else model).name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if a.warmup and a.role not in ("router", "split"):
         print(f"tbjax: warmup took {_warmup(model):.1f} s", file=sys.stderr, flush=True)
     try:
+        if a.role == "split":
+            return asyncio.run(_serve_split(a, model))
         return asyncio.run(_serve(a, model))
     except OSError as e:
         print(f"tbjax: cannot serve: {e}", file=sys.stderr)

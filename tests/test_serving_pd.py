@@ -126,3 +126,22 @@ def test_killed_prefill_mid_transfer_frees_the_reservation(cluster):
     s = _stats(d_addr)
     assert s["pages_free"] == s["pages_usable"] and s["reservations"] == 0 and s["open_transfers"] == 0, s
     assert freed_after <= KV_TIMEOUT + 2
+
+
+def test_split_role_serves_prefill_and_decode_on_disjoint_devices_in_one_process(cluster):
+    """`--role split`: router + prefill worker + decode worker in one process, engines on devices 0 and N/2."""
+    p = _start("split", *ENGINE)
+    try:
+        addr = _address(p)
+        with Client(addr, timeout=300) as c:
+            for prompt, want in zip(PROMPTS, cluster["ref"]):
+                chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
+                assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
+                assert "".join(ch.text for ch in chunks) == want.text
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            assert p.wait(60) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()

@@ -110,15 +110,8 @@ def jax_worker(args) -> dict:
             fallbacks.append(record.getMessage()[:300])
     logging.getLogger("pallas_kernels.paged_attention").addHandler(_Catch(level=logging.WARNING))
 
-    compile_s = {"trace": 0.0, "lower": 0.0, "backend": 0.0}
-    ev_names = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-                "/jax/core/compile/backend_compile_duration": "backend"}
-
-    def _listen(event, duration, **_):
-        if event in ev_names:
-            compile_s[ev_names[event]] += duration
-    jax.monitoring.register_event_duration_secs_listener(_listen)
+    from bench_common import compile_timer
+    compile_s = compile_timer()
 
     dev = jax.devices()[0]
     res["meta"] = {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(dev),

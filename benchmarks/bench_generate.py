@@ -98,15 +98,8 @@ def worker(args) -> dict:
     compile_cache.enable(args.cache_dir)
     # compile time measured directly: JAX reports trace, lowering and backend compile (or persistent-cache load)
     # durations through jax.monitoring
-    compile_events = {"trace": 0.0, "lower": 0.0, "backend": 0.0}
-    names = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-             "/jax/core/compile/backend_compile_duration": "backend"}
-
-    def _listen(event, duration, **_):
-        if event in names:
-            compile_events[names[event]] += duration
-    jax.monitoring.register_event_duration_secs_listener(_listen)
+    from bench_common import compile_timer
+    compile_events = compile_timer()
     res = {"phase": args.phase, "backend": jax.default_backend(), "device": str(jax.devices()[0]),
            "import_s": time.perf_counter() - t_import}
 

@@ -76,6 +76,52 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def profile_steps(step_fn, n: int, top: int = 30) -> dict:
+    """Device-side breakdown of n queued steps from a jax.profiler trace: per device-plane line (CUDA streams, XLA
+    op/module lines), the total time per step and the top events (kernels) by time per step."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+    d = tempfile.mkdtemp(prefix="tbjax_prof_")
+    jax.block_until_ready(step_fn())
+    with jax.profiler.trace(d):
+        o = None
+        for _ in range(n):
+            o = step_fn()
+        jax.block_until_ready(o)
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return {"error": "no xplane file written"}
+    pdata = ProfileData.from_file(files[0])
+    out = {"steps": n, "lines": []}
+    for plane in pdata.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            agg: dict = {}
+            span = [None, None]
+            for e in line.events:
+                a = agg.setdefault(e.name, [0.0, 0])
+                a[0] += e.duration_ns
+                a[1] += 1
+                st = e.start_ns
+                span[0] = st if span[0] is None else min(span[0], st)
+                span[1] = st + e.duration_ns if span[1] is None else max(span[1], st + e.duration_ns)
+            if not agg:
+                continue
+            busy = sum(a[0] for a in agg.values())
+            rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+            out["lines"].append({"plane": plane.name, "line": line.name, "busy_us_per_step": busy / n / 1e3,
+                                 "span_us_per_step": (span[1] - span[0]) / n / 1e3 if span[0] is not None else None,
+                                 "events_per_step": sum(a[1] for a in agg.values()) / n,
+                                 "top": [{"name": k[:160], "us_per_step": a[0] / n / 1e3, "calls_per_step": a[1] / n}
+                                         for k, a in rows]})
+    out["lines"].sort(key=lambda l: -l["busy_us_per_step"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # JAX worker
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,7 +219,8 @@ def jax_worker(args) -> dict:
 
     tok = synthetic_tokenizer(spec.vocab_size)
     cfg = EngineConfig(page_size=G, num_pages=num_pages, kv_dtype=args.dtype, max_num_seqs=max_b,
-                       max_num_batched_tokens=max_tokens, max_model_len=max_ctx, attn_impl=args.attn_impl)
+                       max_num_batched_tokens=max_tokens, max_model_len=max_ctx, attn_impl=args.attn_impl,
+                       matmul_impl=args.matmul_impl)
     t0 = time.perf_counter()
     engine = Engine(spec, params, tok, cfg)
     runner = engine.runner
@@ -211,7 +258,7 @@ def jax_worker(args) -> dict:
         return inp
 
     def measure(r: ModelRunner, B, ctx, label):
-        v = {"batch": B, "context": ctx, "label": label, "attn_impl": r.attn_impl}
+        v = {"batch": B, "context": ctx, "label": label, "attn_impl": r.attn_impl, "matmul_impl": r.matmul_impl}
         inp = make_inputs(B, ctx)
         n0 = r.num_compiled
         fb0 = len(fallbacks)
@@ -235,7 +282,7 @@ def jax_worker(args) -> dict:
             ts.append(time.perf_counter() - t)
         v["run_ms"] = 1e3 * _median(ts)
         arrays = jax.device_put({k: val for k, val in dataclasses.asdict(inp).items() if k != "decode_only"})
-        kw = dict(step_kw, attn_impl=r.attn_impl)
+        kw = dict(step_kw, attn_impl=r.attn_impl, matmul_impl=r.matmul_impl)
 
         def dstep():
             o, r.caches = r._fn(r.params, r.caches, arrays, **kw)
@@ -264,7 +311,20 @@ def jax_worker(args) -> dict:
             v[f"{k}_tok_s"] = B / (v[f"{k}_ms"] * 1e-3)
             v[f"{k}_TBps"] = (wbytes + kvbytes) / (v[f"{k}_ms"] * 1e-3) / 1e12
         v["tokens"] = [int(x) for x in toks[:8]]
+        if args.profile and (B, ctx) in _parse_shapes(args.profile):
+            try:
+                v["profile"] = profile_steps(dstep, args.profile_steps)
+            except Exception as e:  # noqa: BLE001
+                v["profile"] = {"error": repr(e)[:1000]}
         return v, inp, toks
+
+    def other_runner(impl):
+        """A runner with another matmul impl over the same KV pools (moved, not copied)."""
+        o = ModelRunner(spec, params, runner.caches, page_size=G, max_num_seqs=max_b,
+                        max_num_batched_tokens=max_tokens, max_pages_per_seq=max_ctx // G,
+                        attn_impl=args.attn_impl, matmul_impl=impl)
+        runner.caches = None
+        return o
 
     est = None   # seconds a new variant costs (compile + timing), from the last one
 
@@ -286,6 +346,22 @@ def jax_worker(args) -> dict:
         print(f"[jax] {B}x{ctx}: " + (f"sync {v['sync_ms']:.2f} ms, first call {v['first_call_s']:.1f}s"
                                      if "error" not in v else v["error"][:300]), file=sys.stderr, flush=True)
         emit()
+        if (B, ctx) in _parse_shapes(args.compare_matmul) and time_left() > 1.2 * est:
+            for impl in [m for m in ("auto", "xla") if m != args.matmul_impl]:
+                try:
+                    o = other_runner(impl)
+                    v2, _, toks2 = measure(o, B, ctx, f"matmul={impl}")
+                    runner.caches, o.caches = o.caches, None
+                    v2["token_agreement_with_default"] = float(np.mean(np.asarray(v.get("tokens", [])) ==
+                                                                       np.asarray(v2["tokens"][:len(v.get("tokens", []))])))
+                except Exception as e:  # noqa: BLE001
+                    v2 = {"batch": B, "context": ctx, "label": f"matmul={impl}", "error": repr(e)[:2000]}
+                    if runner.caches is None and "o" in dir():
+                        runner.caches = o.caches
+                res["variants"].append(v2)
+                print(f"[jax] {B}x{ctx} matmul={impl}: " + (f"sync {v2['sync_ms']:.2f} ms" if "error" not in v2
+                      else v2["error"][:300]), file=sys.stderr, flush=True)
+                emit()
     res["sections"].append("grid")
 
     # ---- end-to-end Engine.step() --------------------------------------------------------------------------
@@ -528,9 +604,24 @@ def summarize(res: dict) -> str:
             continue
         gb = (v["weight_bytes"] + v["kv_bytes"]) / 1e9
         mbu = lambda k: f"{100 * v[k + '_TBps'] / ceil:.1f}%" if ceil else "?"  # noqa: E731
-        lines.append(f"| {v['batch']} | {v['context']} | {v['attn_impl']} | {v['sync_ms']:.2f} | {v['pipe_ms']:.2f} | "
+        lines.append(f"| {v['batch']} | {v['context']} | {v['attn_impl']}, mm={v.get('matmul_impl', '?')} | "
+                     f"{v['sync_ms']:.2f} | {v['pipe_ms']:.2f} | "
                      f"{v['run_ms']:.2f} | {v['sync_tok_s']:.0f} | {gb:.2f} | {v['sync_TBps']:.2f} | {mbu('sync')} | "
                      f"{mbu('pipe')} | {v['first_call_s']:.1f} |")
+    for v in jx.get("variants", []):
+        prof = v.get("profile")
+        if not prof:
+            continue
+        if "error" in prof:
+            lines.append(f"profile {v['batch']}x{v['context']} mm={v.get('matmul_impl')}: {prof['error'][:200]}")
+            continue
+        for ln in prof["lines"][:3]:
+            lines.append(f"profile {v['batch']}x{v['context']} mm={v.get('matmul_impl')} [{ln['line'][:40]}]: busy "
+                         f"{ln['busy_us_per_step']:.0f} us/step, span {ln['span_us_per_step'] or 0:.0f}, "
+                         f"{ln['events_per_step']:.0f} events/step")
+        if prof["lines"]:
+            for t in prof["lines"][0]["top"][:15]:
+                lines.append(f"    {t['us_per_step']:8.1f} us  x{t['calls_per_step']:.0f}  {t['name'][:100]}")
     e = jx.get("e2e")
     if e:
         lines.append(f"e2e Engine.step() {e['batch']}x{e['context']}: " +
@@ -565,6 +656,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-shape", default="32:1024", help="shapes to re-run with impl='reference' ('' = none)")
     ap.add_argument("--hf-shapes", default="32:1024,32:8192")
     ap.add_argument("--attn-impl", default="auto")
+    ap.add_argument("--matmul-impl", default="auto", help="decode projections: auto (kernel on GPU) | xla | kernel")
+    ap.add_argument("--compare-matmul", default="32:1024", help="shapes also run with the other matmul impl")
+    ap.add_argument("--profile", default="32:1024", help="shapes whose decode step is profiled (kernel breakdown)")
+    ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=330.0, help="seconds for the whole benchmark")
@@ -578,6 +673,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.config, args.shapes, args.e2e, args.ref_shape = "smollm2-135m-instruct", "2:64,1:128", "2:64", "2:64"
         args.e2e_new_tokens, args.steps, args.warmup, args.no_hf = 4, 3, 1, True
+        args.compare_matmul, args.profile = "2:64", "2:64"
     if not os.path.isfile(os.path.join(CONFIG_DIR, args.config + ".json")):
         ap.error(f"no config {args.config}.json in {CONFIG_DIR}")
     sys.path.insert(0, REPO)
@@ -616,7 +712,9 @@ def main(argv=None) -> int:
     jax_budget = args.time_budget - (time.time() - t_start) - (args.hf_reserve if run_hf else 0)
     cmd = base + ["--worker", "jax", "--deadline-s", str(jax_budget), "--shapes", args.shapes, "--e2e", args.e2e,
                   "--e2e-new-tokens", str(args.e2e_new_tokens), "--ref-shape", args.ref_shape,
-                  "--attn-impl", args.attn_impl]
+                  "--attn-impl", args.attn_impl, "--matmul-impl", args.matmul_impl,
+                  "--compare-matmul", args.compare_matmul, "--profile", args.profile,
+                  "--profile-steps", str(args.profile_steps)]
     res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
     save()
     if run_hf:

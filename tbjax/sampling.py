@@ -7,6 +7,7 @@ shares its batch (batch invariance) and a seeded request is reproducible.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -70,31 +71,64 @@ def _row_key(seed, position):
     return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
 
 
-@jax.jit
-def sample(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position_B):
-    """Returns (token_B int32, logprobs_BV float32 of the unmodified distribution).
+SAMPLE_CANDIDATES = 64   # the fast path's candidate set (lax.top_k) before falling back to a full sort
 
-    temperature 0 => argmax. top_k 0 => off. The PRNG key of row b is fold_in(key(seed_b), position_b).
+
+def _choose(s_sorted_BC, ids_BC, lse_B1, gumbel_BV, top_k_B, top_p_B, min_p_B):
+    """Applies top-k / top-p / min-p to rows sorted in descending order and draws with Gumbel-max.
+
+    The noise is indexed by token id (not by rank), so a candidate subset and the full sort draw the same token.
     """
-    logits = logits_BV.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
-    scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1)                                  # descending
-    s_sorted = jnp.take_along_axis(scaled, order, axis=-1)
-    V = logits.shape[-1]
-    rank = jnp.arange(V)[None, :]
+    C = s_sorted_BC.shape[-1]
+    p_sorted = jnp.exp(s_sorted_BC - lse_B1)                              # probabilities of the full distribution
+    rank = jnp.arange(C)[None, :]
     keep = jnp.where(top_k_B[:, None] > 0, rank < top_k_B[:, None], True)
-    p_sorted = jax.nn.softmax(s_sorted, axis=-1)
     cum_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
     keep &= cum_before < top_p_B[:, None]
     keep &= p_sorted >= min_p_B[:, None] * p_sorted[:, :1]
     keep = keep.at[:, 0].set(True)
-    masked = jnp.where(keep, s_sorted, -jnp.inf)
-    keys = jax.vmap(_row_key)(seed_B, position_B)
-    choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
-    sampled_tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    g = jnp.take_along_axis(gumbel_BV, ids_BC, axis=-1)
+    j = jnp.argmax(jnp.where(keep, s_sorted_BC + g, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(ids_BC, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("candidates",))
+def sample(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position_B, *,
+           candidates: int = SAMPLE_CANDIDATES):
+    """Returns (token_B int32, logprobs_BV float32 of the unmodified distribution).
+
+    temperature 0 => argmax. top_k 0 => off. The PRNG key of row b is fold_in(key(seed_b), position_b).
+    Cost: a batch of greedy rows is an argmax (runtime branch); otherwise the top `candidates` tokens per row
+    (lax.top_k) decide whenever they provably hold every token the filters keep (top_k <= candidates, or the
+    candidates' mass reaches top_p, or min_p cuts inside them); only then is the [B, V] sort skipped. Both paths
+    give the same token for the same key. candidates=0 always sorts.
+    """
+    logits = logits_BV.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    B, V = logits.shape
+    C = min(candidates, V)
+
+    def sampled():
+        t = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+        scaled = logits / t
+        lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+        keys = jax.vmap(_row_key)(seed_B, position_B)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        args = (lse, gumbel, top_k_B, top_p_B, min_p_B)
+
+        def full():
+            order = jnp.argsort(-scaled, axis=-1)
+            return _choose(jnp.take_along_axis(scaled, order, axis=-1), order.astype(jnp.int32), *args)
+        if C == 0:
+            return full()
+        cand_s, cand_i = jax.lax.top_k(scaled, C)
+        p_c = jnp.exp(cand_s - lse)
+        covered = (((top_k_B > 0) & (top_k_B <= C)) | (jnp.sum(p_c, axis=-1) >= top_p_B)
+                   | (p_c[:, -1] < min_p_B * p_c[:, 0]) | (C == V) | (temperature_B <= 0))
+        return jax.lax.cond(jnp.all(covered), lambda: _choose(cand_s, cand_i.astype(jnp.int32), *args), full)
+
+    sampled_tok = jax.lax.cond(jnp.all(temperature_B <= 0), lambda: greedy_tok, sampled)
     tok = jnp.where(temperature_B > 0, sampled_tok, greedy_tok)
     return tok, logprobs
 

@@ -69,31 +69,36 @@ def _slice(a, layer):
     return None if a is None or layer is None else a[layer]
 
 
-def decode_matmul(x_TD, w_DF, *, w_scale=None, layer=None, impl: str = "auto", cfg=None):
-    """y[T, F] = x[T, D] @ dequant(w[D, F]) with float32 accumulation, in x's dtype.
+def decode_matmul(x_TD, w_DF, *, w_scale=None, layer=None, impl: str = "auto", cfg=None, out_dtype=None):
+    """y[T, F] = x[T, D] @ dequant(w[D, F]) with float32 accumulation, in out_dtype (default: x's dtype).
 
     w: bf16/f16/f32, or float8_e4m3fn with w_scale float32 [F] (per channel) or
     [ceil(D/128), ceil(F/128)] (128x128 blocks, real = stored * scale). Stacked [L, D, F]
     weights need layer=. cfg: optional gpu.TileConfig (benchmarks/tuning).
     """
     _check(x_TD, w_DF, w_scale, layer, "decode_matmul")
+    out_dtype = jax.numpy.dtype(out_dtype or x_TD.dtype)
     chosen = _pick(impl)
     if chosen == "gpu":
         on_gpu = jax.default_backend() == "gpu"
         nsm = None if on_gpu else INTERPRET_SMS
         c, why = gpu.plan_for(x_TD, [w_DF], [w_scale], cfg, nsm)
         if c is not None:
-            return gpu.decode_matmul_gpu(x_TD, w_DF, w_scale=w_scale, layer=layer, cfg=cfg,
-                                         num_sms=nsm, interpret=not on_gpu)
+            y = gpu.partial_products(x_TD, [w_DF], [w_scale], layer=layer, cfg=cfg, num_sms=nsm,
+                                     interpret=not on_gpu)[0]
+            return gpu._channel_scale(y, w_scale, layer).astype(out_dtype)
         if impl == "gpu":
             raise ValueError(f"decode_matmul: GPU kernel can't take these operands: {why}")
         _warn_once(f"decode_matmul: falling back to the reference: {why}")
         chosen = "reference"
-    if chosen in ("tpu", "xla"):
+    if chosen in ("tpu", "xla") and out_dtype == x_TD.dtype:
         return tpu.decode_matmul_xla(x_TD, w_DF, w_scale=w_scale, layer=layer)
     w = w_DF if layer is None else w_DF[layer]
     s = w_scale if layer is None else _slice(w_scale, layer)
-    return reference.decode_matmul_reference(x_TD, w, w_scale=s)
+    if out_dtype == x_TD.dtype:
+        return reference.decode_matmul_reference(x_TD, w, w_scale=s)
+    return jax.numpy.dot(x_TD.astype(jax.numpy.float32), reference.dequantize(w, s),
+                         preferred_element_type=jax.numpy.float32).astype(out_dtype)
 
 
 def gate_up_silu(x_TD, w_gate_DF, w_up_DF, *, gate_scale=None, up_scale=None, layer=None,

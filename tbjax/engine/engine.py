@@ -19,7 +19,7 @@ from typing import Hashable
 import jax
 
 from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, init_kv_cache, pages_for_budget
-from tbjax.engine.kv_pages import gather_pages, scatter_pages
+from tbjax.engine.kv_pages import gather_pages, gather_pages_stacked, scatter_pages, scatter_pages_stacked
 from tbjax.engine.request import FinishReason, Sequence
 from tbjax.engine.runner import ModelRunner
 from tbjax.engine.scheduler import KVReservationError, RequestTooLarge, Scheduler, SchedulerConfig
@@ -43,6 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption: str = "recompute"
     attn_impl: str = "auto"
+    matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU) | "xla" | "kernel"
 
 
 @dataclasses.dataclass
@@ -57,12 +58,18 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class KVExport:
-    """A prefilled request's KV, on the host, ready to travel to a decode engine."""
+    """A prefilled request's KV, ready to travel to a decode engine: on the host (``pages`` / ``scales``, lists
+    over layers) or, from ``export_kv(..., on_device=True)``, still on the device in the transfer layout
+    (``device_pages`` [B, L, G, 2K, H], ``device_scales`` [B, L, 2K] or None; rows past ``num_pages`` are
+    padding) so that a same-host transfer can DMA it straight into shared memory."""
     request_id: Hashable
     prompt_token_ids: list[int]
     first_token: int
-    pages: list                           # over layers: np [n_pages, G, 2K, H]
+    pages: list | None                    # over layers: np [n_pages, G, 2K, H]
     scales: list | None                   # over layers: np [n_pages, 2K] (fp8 pools) or None
+    device_pages: object = None
+    device_scales: object = None
+    n_pages: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -71,12 +78,22 @@ class KVExport:
 
     @property
     def num_pages(self) -> int:
-        return self.pages[0].shape[0]
+        return self.pages[0].shape[0] if self.pages is not None else self.n_pages
 
     def stacked(self):
-        """Pages as one array [n_pages, L, G, 2K, H] (one transfer page = one page id over all layers)."""
+        """Pages as one host array [n_pages, L, G, 2K, H] (one transfer page = one page id over all layers)."""
         import numpy as np
+        if self.pages is None:
+            return np.asarray(jax.device_get(self.device_pages))[: self.n_pages]
         return np.stack(self.pages, axis=1)
+
+    def stacked_scales(self):
+        """fp8 scales as one host array [n_pages, L, 2K], or None."""
+        import numpy as np
+        if self.pages is None:
+            return None if self.device_scales is None else \
+                np.asarray(jax.device_get(self.device_scales))[: self.n_pages]
+        return None if self.scales is None else np.stack(self.scales, axis=1)
 
 
 @dataclasses.dataclass
@@ -114,7 +131,8 @@ class Engine:
         self.runner = ModelRunner(spec, params, init_kv_cache(spec, self.kv_config), page_size=config.page_size,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl)
+                                  max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
+                                  matmul_impl=config.matmul_impl)
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)
@@ -155,8 +173,9 @@ class Engine:
         return self.scheduler.abort(request_id) or held or res
 
     # ---- prefill/decode disaggregation -------------------------------------------------------------------
-    def export_kv(self, request_id: Hashable) -> KVExport:
-        """The KV of a finished ``prefill_only`` request, gathered to the host; its pages are freed after."""
+    def export_kv(self, request_id: Hashable, *, on_device: bool = False) -> KVExport:
+        """The KV of a finished ``prefill_only`` request, gathered to the host (``on_device``: gathered into one
+        device array in the transfer layout, no host copy); its pages are freed after."""
         seq = self.scheduler.held(request_id)
         if seq is None:
             what = "still running" if self.scheduler.get(request_id) is not None else "unknown or already exported"
@@ -165,6 +184,10 @@ class Engine:
         n = len(seq.prompt_token_ids)
         ids = seq.block_table[: -(-n // self.config.page_size)]
         try:
+            if on_device:   # a new array: the pages can be freed (and rewritten) while it travels
+                dev_pages, dev_scales = gather_pages_stacked(self.runner.caches, ids)
+                return KVExport(request_id, list(seq.prompt_token_ids), int(seq.token_ids[n]), None, None,
+                                dev_pages, dev_scales, len(ids))
             pages, scales = gather_pages(self.runner.caches, ids)
         finally:
             self.scheduler.release_held(request_id)
@@ -182,13 +205,24 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         return self.scheduler.reserve(request_id, -(-n_tokens // self.config.page_size))
 
-    def write_kv_pages(self, request_id: Hashable, layer_pages, layer_scales=None, first_page: int = 0) -> None:
-        """Write received pages (over layers: [n, G, 2K, H]; fp8: scales [n, 2K]) into the reservation's pages
-        ``first_page .. first_page + n - 1``."""
+    def write_kv_pages(self, request_id: Hashable, layer_pages, layer_scales=None, first_page: int = 0, *,
+                       num_pages: int | None = None) -> None:
+        """Write received pages into the reservation's pages ``first_page .. first_page + n - 1``: either lists
+        over layers ([n, G, 2K, H]; fp8: scales [n, 2K]) or one array in the transfer layout [n, L, G, 2K, H]
+        (fp8: scales [n, L, 2K]) on the host or the device; with ``num_pages`` the array may carry padding rows
+        past n (ignored)."""
         res = self.scheduler.reservation(request_id)
         if res is None:
             raise KVReservationError(f"no open KV reservation for {request_id!r}")
         ids = res[1]
+        if not isinstance(layer_pages, (list, tuple)):      # stacked transfer layout
+            n = int(num_pages if num_pages is not None else layer_pages.shape[0])
+            if first_page < 0 or n < 1 or first_page + n > len(ids) or n > layer_pages.shape[0]:
+                raise ValueError(f"pages [{first_page}, {first_page + n}) do not fit the {len(ids)} reserved for "
+                                 f"{request_id!r} (or the {layer_pages.shape[0]} rows given)")
+            self.runner.caches = scatter_pages_stacked(self.runner.caches, ids[first_page:first_page + n],
+                                                       layer_pages, layer_scales)
+            return
         n = len(layer_pages[0]) if len(layer_pages) else 0
         if first_page < 0 or n < 1 or first_page + n > len(ids):
             raise ValueError(f"pages [{first_page}, {first_page + n}) do not fit the {len(ids)} reserved for "

@@ -5,7 +5,8 @@ One compiled program per (kind, tokens, sequences, pages-per-sequence) bucket:
   mixed   decodes + prefill chunks, ragged over `cu_q_lens`.
 Buckets are powers of two, so steady state never recompiles. Only the rows that sample are projected to
 logits, and sampling runs inside the same program: one small int32 array comes back per step.
-The KV pools are donated and updated in place.
+The KV pools are donated and updated in place. Decode steps send the projections to the weight-streaming matmul
+kernel on GPU (`matmul_impl`, tbjax/model/linear.py); prefill/mixed steps use XLA dots.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
+from tbjax.model.linear import kernel_impl_for
 from tbjax.model.transformer import forward_hidden, lm_logits
 from tbjax.sampling import sample
 from tbjax.spec import ModelSpec, rope_attention_scale
@@ -50,8 +52,10 @@ class StepInputs:
     decode_only: bool
 
 
-def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logprobs: bool, attn_impl: str):
+def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logprobs: bool, attn_impl: str,
+          matmul_impl: str = "auto"):
     scale = rope_attention_scale(spec)
+    mm = kernel_impl_for(matmul_impl, decode_only)
 
     def attend(layer, q, k, v, cache):
         pages, scales = cache
@@ -65,8 +69,8 @@ def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logpr
                                 sliding_window=window, kv_scales_PK=scales, impl=attn_impl)
         return o, (pages, scales)
 
-    h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches)
-    logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0))
+    h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches, kernel_impl=mm)
+    logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=mm)
     tok_S, logprobs_SV = sample(logits_SV, inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"],
                                 inp["seed_S"], inp["sample_pos_S"])
     out = {"tokens": tok_S}
@@ -80,17 +84,21 @@ class ModelRunner:
     """Owns the KV pools of one dp rank and runs scheduled batches on them."""
 
     def __init__(self, spec: ModelSpec, params, caches, *, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto"):
+                 max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
+                 matmul_impl: str = "auto"):
         self.spec, self.params, self.caches = spec, params, caches
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.max_pages = max_pages_per_seq
         self.attn_impl = attn_impl
+        kernel_impl_for(matmul_impl, True)     # validates the name
+        self.matmul_impl = matmul_impl
         # XLA:CPU's bf16 single-row dot against a transposed matrix (the tied lm_head) is ~14x slower than two
         # rows (measured: 174 ms vs 12 ms for SmolLM2), so CPU batches hold at least two sequences.
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
-        self._fn = jax.jit(_step, static_argnames=("spec", "decode_only", "want_logprobs", "attn_impl"),
+        self._fn = jax.jit(_step, static_argnames=("spec", "decode_only", "want_logprobs", "attn_impl",
+                                                          "matmul_impl"),
                            donate_argnums=(1,))
 
     @property
@@ -141,5 +149,6 @@ class ModelRunner:
     def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
         arrays = {k: v for k, v in dataclasses.asdict(inp).items() if k != "decode_only"}
         out, self.caches = self._fn(self.params, self.caches, arrays, spec=self.spec, decode_only=inp.decode_only,
-                                    want_logprobs=want_logprobs, attn_impl=self.attn_impl)
+                                    want_logprobs=want_logprobs, attn_impl=self.attn_impl,
+                                    matmul_impl=self.matmul_impl)
         return jax.device_get(out)

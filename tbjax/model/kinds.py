@@ -1,7 +1,8 @@
 """Layer kinds: each attention and FFN kind declares its per-layer parameter shapes and its compute.
 
 A new architecture is a new entry here plus a mapping in tbjax/spec.py. Parameter layout is [in, out] for
-every matrix (x @ w). Per-layer shapes here get a leading L axis when layers of one kind are stacked.
+every matrix (x @ w); projections go through `linear`/`swiglu` (tbjax/model/linear.py), which pick XLA dots or the
+decode kernel. Per-layer shapes here get a leading L axis when layers of one kind are stacked.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from tbjax.model import layers as ly
+from tbjax.model.linear import linear, swiglu
 from tbjax.spec import ModelSpec
 
 
@@ -36,10 +38,10 @@ def gqa_qkv(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
     """Norm + fused QKV projection + q/k norm + RoPE. Returns q_TNH, k_TKH, v_TKH."""
     T = x_TD.shape[0]
     h = ly.rms_norm(x_TD, p["attn_norm"], spec.norm_eps)
-    qkv = jnp.dot(h, p["w_qkv"], preferred_element_type=jnp.float32)
     if "b_qkv" in p:
-        qkv = qkv + p["b_qkv"].astype(jnp.float32)
-    qkv = qkv.astype(x_TD.dtype)
+        qkv = (linear(p, "w_qkv", h, jnp.float32) + p["b_qkv"].astype(jnp.float32)).astype(x_TD.dtype)
+    else:
+        qkv = linear(p, "w_qkv", h)
     N, K, H = spec.n_heads, spec.n_kv_heads, spec.head_dim
     q = qkv[:, : N * H].reshape(T, N, H)
     k = qkv[:, N * H: (N + K) * H].reshape(T, K, H)
@@ -52,7 +54,7 @@ def gqa_qkv(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
 
 def gqa_out(spec: ModelSpec, p, o_TNH):
     T = o_TNH.shape[0]
-    return jnp.dot(o_TNH.reshape(T, -1), p["w_o"], preferred_element_type=jnp.float32).astype(o_TNH.dtype)
+    return linear(p, "w_o", o_TNH.reshape(T, -1))
 
 
 # ---- dense SwiGLU FFN --------------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def dense_shapes(s: ModelSpec):
 
 def dense_ffn(spec: ModelSpec, p, x_TD):
     h = ly.rms_norm(x_TD, p["mlp_norm"], spec.norm_eps)
-    return ly.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+    return swiglu(p, h)
 
 
 ATTENTION_KINDS: dict[str, Kind] = {"gqa": Kind(gqa_shapes, norms=("attn_norm", "q_norm", "k_norm"))}

@@ -1,0 +1,82 @@
+"""How the model's projections run: XLA dots, or the decode weight-streaming kernel reading a layer in place.
+
+Why this module exists: decode matmuls are bound by how fast the weights stream out of HBM (issue 9). The
+Mosaic GPU kernel (pallas_kernels.matmul) reads layer j of a stacked [L, D, F] weight in place; slicing `w[j]`
+first and handing the slice to a custom call would make XLA copy it. So layer code never slices a weight it
+multiplies: it asks `linear(p, "w_qkv", x)` and `p` decides.
+
+`p` is either
+  * a plain dict of per-layer arrays (whole-prompt forwards, mesh forwards, prefill steps): XLA dots, or
+  * a `LayerParams` view over the group's stacks + a layer index + a kernel impl (decode steps): the kernel
+    dispatcher (`decode_matmul` / `gate_up_silu`), which falls back to the reference with a logged warning
+    when the kernel can't take a shape.
+Both accumulate in float32; results are cast to the activations' dtype unless `out_dtype` says otherwise.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.matmul import decode_matmul, gate_up_silu
+
+MATMUL_IMPLS = ("auto", "xla", "kernel")
+KERNEL_MAX_T = 256      # the kernel's wgmma N limit: larger decode batches use XLA dots
+
+
+class LayerParams(Mapping):
+    """Layer `layer` of a group's stacked parameters, without slicing the matrices that go to the kernel."""
+
+    def __init__(self, stacks: Mapping, layer: int, impl: str):
+        self.stacks, self.layer, self.impl = stacks, layer, impl
+
+    def __getitem__(self, name):
+        return self.stacks[name][self.layer]
+
+    def __iter__(self):
+        return iter(self.stacks)
+
+    def __len__(self):
+        return len(self.stacks)
+
+
+def layer_params(stacks: Mapping, layer: int, kernel_impl: str | None):
+    """The per-layer view the layer kinds receive: a LayerParams when a kernel impl is given, else a dict."""
+    if kernel_impl is None:
+        return jax.tree.map(lambda a: a[layer], dict(stacks))
+    return LayerParams(stacks, layer, kernel_impl)
+
+
+def _kernel_ok(p, x_TD) -> bool:
+    return isinstance(p, LayerParams) and x_TD.shape[0] <= KERNEL_MAX_T and x_TD.dtype == jnp.bfloat16
+
+
+def linear(p, name: str, x_TD, out_dtype=None):
+    """x @ p[name] with float32 accumulation, cast to out_dtype (default: x's dtype)."""
+    out_dtype = out_dtype or x_TD.dtype
+    if _kernel_ok(p, x_TD) and p.stacks[name].dtype == jnp.bfloat16:
+        return decode_matmul(x_TD, p.stacks[name], layer=p.layer, impl=p.impl, out_dtype=out_dtype)
+    return jnp.dot(x_TD, p[name], preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def swiglu(p, x_TD, gate="w_gate", up="w_up", down="w_down"):
+    """silu(x @ gate) * (x @ up) @ down; on the kernel path gate and up stream through one launch."""
+    if _kernel_ok(p, x_TD) and p.stacks[gate].dtype == jnp.bfloat16:
+        h = gate_up_silu(x_TD, p.stacks[gate], p.stacks[up], layer=p.layer, impl=p.impl)
+    else:
+        g = jnp.dot(x_TD, p[gate], preferred_element_type=jnp.float32)
+        u = jnp.dot(x_TD, p[up], preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(g) * u).astype(x_TD.dtype)
+    return linear(p, down, h)
+
+
+def kernel_impl_for(matmul_impl: str, decode_only: bool) -> str | None:
+    """The kernel impl a step uses (None => XLA dots). "auto": the kernel for decode steps on a GPU backend."""
+    if matmul_impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
+    if matmul_impl == "xla" or not decode_only:
+        return None
+    if matmul_impl == "kernel":
+        return "gpu"           # the Mosaic GPU kernel (interpret mode off-GPU: tests)
+    return "gpu" if jax.default_backend() == "gpu" else None

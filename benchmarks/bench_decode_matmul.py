@@ -40,7 +40,7 @@ LLAMA = [("llama8b.qkv", 4096, 6144), ("llama8b.o", 4096, 4096), ("llama8b.gate_
 DSV3 = [("dsv3.expert_up", 7168, 2048), ("dsv3.expert_down", 2048, 7168)]
 TS = (1, 8, 32, 64, 128)
 T0 = time.perf_counter()
-RESULTS: dict = {"rows": [], "loops": [], "fused": [], "tune": [], "smoke": [], "errors": []}
+RESULTS: dict = {"rows": [], "loops": [], "fused": [], "tune": [], "smoke": [], "variants": [], "errors": []}
 OUT_NAME = "bench_decode_matmul.json"
 
 
@@ -90,6 +90,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting sweep rows after this")
     ap.add_argument("--dtypes", default="bf16,fp8", help="weight dtypes for sweep/fused/tune")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
+    ap.add_argument("--fp8-shapes", default="all", help="sweep: 'all' or 'llama' (fp8 rows only on Llama shapes)")
+    ap.add_argument("--ts", default=",".join(map(str, TS)), help="sweep: T values")
+    ap.add_argument("--no-kernel-only", action="store_true", help="sweep: skip the kernel-alone column")
+    ap.add_argument("--stream-gb", type=float, default=1.5, help="weight GB streamed per timed call")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     dtypes = [dt == "fp8" for dt in args.dtypes.split(",")]   # [False]=bf16, [True]=fp8
@@ -160,7 +164,7 @@ def main():
     def layers_for(nbytes):
         if dry:
             return 2
-        return int(min(48, max(6, math.ceil(1.5e9 / nbytes))))
+        return int(min(48, max(6, math.ceil(args.stream_gb * 1e9 / nbytes))))
 
     # ---- building blocks ------------------------------------------------------------------
     def kernel_stack_fn(L, cfg=None):
@@ -198,11 +202,13 @@ def main():
     pool = ThreadPoolExecutor(8)
 
     def precompile(jobs):
-        """[(jitted fn, args)] -> [compiled or exception]: lower here, compile on threads (C++ releases the GIL)."""
+        """[(jitted fn, args[, compiler options])] -> [compiled or exception]: lower here, compile on
+        threads (C++ releases the GIL). Options (e.g. {"xla_gpu_enable_triton_gemm": False}) apply
+        to that one executable, so XLA variants under different flags run in one process."""
         lowered = []
-        for fn, a in jobs:
+        for fn, a, *opt in jobs:
             try:
-                lowered.append(fn.lower(*a))
+                lowered.append((fn.lower(*a), opt[0] if opt else None))
             except Exception as e:  # noqa: BLE001
                 lowered.append(e)
 
@@ -210,7 +216,7 @@ def main():
             if isinstance(lo, Exception):
                 return lo
             try:
-                return lo.compile()
+                return lo[0].compile(compiler_options=lo[1]) if lo[1] else lo[0].compile()
             except Exception as e:  # noqa: BLE001
                 return e
         return list(pool.map(comp, lowered))
@@ -252,13 +258,74 @@ def main():
             log(json.dumps(row))
             save(args.out)
 
+    # ---- 1c. variants: kernel options against the auto plan, one shape at a time ------------
+    if "variants" in sections:
+        import dataclasses as dc
+        R = dc.replace
+        fp8_vars = [("auto", lambda b: b), ("fold-bf16", lambda b: R(b, fp8_via="bf16")),
+                    ("f16", lambda b: R(b, fp8_via="f16")),
+                    ("f16-rows128", lambda b: R(b, fp8_via="f16", deq_rows=128)),
+                    ("f16-cta2", lambda b: R(b, fp8_via="f16", ctas_per_sm=2)),
+                    ("f16-cta2-rows128", lambda b: R(b, fp8_via="f16", ctas_per_sm=2, deq_rows=128)),
+                    ("f16-d256", lambda b: R(b, fp8_via="f16", tile_d=256))]
+        bf16_vars = [("auto", lambda b: b), ("f256", lambda b: R(b, tile_d=128, tile_f=256)),
+                     ("f256-d64", lambda b: R(b, tile_d=64, tile_f=256)), ("cta2", lambda b: R(b, ctas_per_sm=2))]
+        var_env = os.environ.get("VARIANT_SHAPES")
+        specs = ([("llama8b.o", 4096, 4096, True, (8, 64)), ("llama8b.gate_up", 4096, 28672, True, (8, 64)),
+                  ("llama8b.qkv", 4096, 6144, False, (32, 64)), ("llama8b.o", 4096, 4096, False, (32, 64)),
+                  ("dsv3.expert_down", 2048, 7168, False, (32, 64))]
+                 if not dry else [("tiny", 256, 512, True, (8,)), ("tiny", 256, 512, False, (8,))])
+        if var_env:
+            specs = [sp for sp in specs if f"{sp[0]}:{'fp8' if sp[3] else 'bf16'}" in var_env.split(",")]
+        for name, d, f, fp8, vts in specs:
+            if over_budget(f"variants {name}"):
+                break
+            L = layers_for(d * f * (1 if fp8 else 2))
+            w, s = make_weights(L, d, f, fp8)
+            jobs, rows = [], []
+            for T in vts:
+                x = rnd((T, d), jnp.bfloat16)
+                base, _ = gpu.plan_for(x, [w], [s], None, nsm)
+                for vname, mk in (fp8_vars if fp8 else bf16_vars):
+                    row = {"shape": name, "D": d, "F": f, "T": T, "dtype": "fp8-block" if fp8 else "bf16",
+                           "variant": vname, "L": L}
+                    cfg = mk(base) if base is not None else None
+                    c, plan = gpu.plan_for(x, [w], [s], cfg, nsm)
+                    if c is None:
+                        row["skip"] = plan
+                        RESULTS["variants"].append(row)
+                        continue
+                    row["cfg"] = dataclass_dict(c)
+                    row["plan"] = [plan.stages, plan.n_ctas, plan.n_per, plan.n_slots]
+                    rows.append((row, x))
+                    jobs.append((kernel_stack_fn(L, c), (x, w, s)))
+            comp = precompile(jobs)
+            for (row, x), ck in zip(rows, comp):
+                try:
+                    if isinstance(ck, Exception):
+                        raise ck
+                    t, y = timeit(ck, x, w, s)
+                    row["TBps"] = d * f * (1 if fp8 else 2) * L / t / 1e12
+                    row["frac_ceiling"] = row["TBps"] / ceil_tb
+                    r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
+                    row["relerr_vs_reference"] = relerr(y[L - 1], r)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:500]
+                RESULTS["variants"].append(row)
+                log(json.dumps({k: v for k, v in row.items() if k != "cfg"}))
+                save(args.out)
+            del w, s
+
     # ---- 2. sweep --------------------------------------------------------------------------
     shapes = LLAMA + DSV3 if not dry else [("tiny.a", 256, 384), ("tiny.b", 512, 256)]
-    ts = TS if not dry else (1, 13)
+    ts = tuple(int(v) for v in args.ts.split(",")) if not dry else (1, 13)
+    NO_TRITON = {"xla_gpu_enable_triton_gemm": False}
     if "sweep" in sections:
         anchored = set()
         for name, d, f in shapes:
             for fp8 in dtypes:
+                if fp8 and args.fp8_shapes == "llama" and not name.startswith(("llama", "tiny")):
+                    continue
                 itemsize = 1 if fp8 else 2
                 bytes_layer = d * f * itemsize + (4 * math.ceil(d / 128) * math.ceil(f / 128) if fp8 else 0)
                 L = layers_for(bytes_layer)
@@ -277,19 +344,31 @@ def main():
                 kon_f = kernel_only_fn(L)
                 jobs = []
                 for T in ts:
-                    jobs += [(xla_f, (xs[T], ws, ss)), (ker_f, (xs[T], w, s)), (kon_f, (xps[T], w, s))]
-                comp = precompile(jobs)
+                    jobs += [(xla_f, (xs[T], ws, ss)), (xla_f, (xs[T], ws, ss), None if dry else NO_TRITON),
+                             (ker_f, (xs[T], w, s)),
+                             (kon_f, (xps[T], w, s)) if not args.no_kernel_only else (None, None)]
+                comp = precompile([j for j in jobs if j[0] is not None])
+                comp_it = iter(comp)
+                comp = [next(comp_it) if j[0] is not None else ValueError("not run") for j in jobs]
                 for ti, T in enumerate(ts):
                     row = {"shape": name, "D": d, "F": f, "dtype": "fp8-block" if fp8 else "bf16", "T": T,
                            "L": L, "bytes_per_layer": bytes_layer}
                     x = xs[T]
-                    cx, ck, co = comp[3 * ti:3 * ti + 3]
+                    cx, cx2, ck, co = comp[4 * ti:4 * ti + 4]
                     try:
                         cfg, plan = gpu.plan_for(x, [w], [s], None, nsm if nsm else None)
-                        row["cfg"] = None if cfg is None else [cfg.tile_d, cfg.tile_f, plan.stages, plan.n_ctas, plan.n_slots]
+                        row["cfg"] = None if cfg is None else [cfg.tile_d, cfg.tile_f, plan.stages, plan.n_ctas,
+                                                               plan.n_slots, cfg.ctas_per_sm, cfg.fp8_via]
                         if isinstance(cx, Exception):
                             raise cx
+                        # best XLA variant: Python loop of dots, default flags or triton GEMM off
                         tx, yx = timeit(cx, x, ws, ss)
+                        row["xla_default_TBps"] = bytes_layer * L / tx / 1e12
+                        if not isinstance(cx2, Exception):
+                            tx2, yx2 = timeit(cx2, x, ws, ss)
+                            row["xla_no_triton_TBps"] = bytes_layer * L / tx2 / 1e12
+                            if tx2 < tx:
+                                tx, yx = tx2, yx2
                         row["xla_s_per_layer"] = tx / L
                         row["xla_TBps"] = bytes_layer * L / tx / 1e12
                         if isinstance(ck, Exception):
@@ -300,7 +379,9 @@ def main():
                         row["kernel_frac_ceiling"] = row["kernel_TBps"] / ceil_tb
                         row["speedup_vs_xla"] = tx / tk
                         row["relerr_vs_xla"] = relerr(yk, yx)
-                        if not isinstance(co, Exception):
+                        if args.no_kernel_only:
+                            pass
+                        elif not isinstance(co, Exception):
                             to, _ = timeit(co, xps[T], w, s)
                             row["kernel_only_s_per_layer"] = to / L
                             row["kernel_only_TBps"] = bytes_layer * L / to / 1e12
@@ -506,6 +587,11 @@ def print_tables():
     print("\n== fused gate/up (TB/s)")
     for r in R["fused"]:
         print(r)
+    print("\n== variants (TB/s, fraction of ceiling, rel. error vs reference)")
+    for r in R["variants"]:
+        print(f"{r['shape']:18s} {r['dtype']:9s} T={r['T']:3d} {r['variant']:18s} {r.get('TBps', float('nan')):5.2f} "
+              f"{r.get('frac_ceiling', float('nan')):6.1%} {r.get('relerr_vs_reference', float('nan')):.1e} "
+              f"plan={r.get('plan')} {r.get('skip', '')}{r.get('error', '')[:160]}")
     print("\n== tune (TB/s)")
     for r in R["tune"]:
         print(r.get("shape"), r.get("T"), r.get("dtype"), r.get("plan"), r.get("TBps"), r.get("relerr_vs_reference"),

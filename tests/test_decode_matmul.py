@@ -19,6 +19,7 @@ from pallas_kernels.matmul import decode_matmul, gate_up_silu, merged_xla_flags,
 from pallas_kernels.matmul import dispatch, gpu, reference, tpu
 
 FP8 = jnp.float8_e4m3fn
+F16 = gpu.TileConfig(fp8_via="f16")
 
 
 def fresh_rng():
@@ -103,6 +104,12 @@ KERNEL_CASES = [
     (33, 256, 384, "channel", gpu.TileConfig(128, 128), 5),
     (6, 512, 384, "block", gpu.TileConfig(256, 128), 4),    # two scale blocks per step
     (17, 512, 256, "block", gpu.TileConfig(128, 64), 6),    # two F tiles per scale block
+    # fp8 through f16 (exact e4m3 -> f16, block scales applied to per-block float32 products)
+    (5, 512, 256, "fp8", F16, 5),
+    (33, 256, 384, "channel", F16, 5),
+    (6, 512, 384, "block", gpu.TileConfig(256, 128, fp8_via="f16"), 4),   # two scale blocks per step
+    (17, 512, 256, "block", gpu.TileConfig(128, 64, fp8_via="f16", deq_rows=128), 6),
+    (64, 384, 256, "block", F16, 7),
 ]
 
 
@@ -114,8 +121,20 @@ def test_kernel_matches_reference(t, d, f, kind, cfg, nsm):
     assert c is not None, plan
     y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=cfg, num_sms=nsm, interpret=True)
     assert y.shape == (t, f) and y.dtype == jnp.bfloat16
-    # block scales are folded into bf16 weights in the kernel: ~2^-9 relative per weight
-    assert_close(y, reference.decode_matmul_reference(x, w, w_scale=s), seed, 1e-2 if kind == "block" else 4e-3)
+    # fp8_via="bf16" folds block scales into bf16 weights: ~2^-9 relative per weight; "f16" is exact
+    folded = kind == "block" and (cfg is None or cfg.fp8_via == "bf16")
+    assert_close(y, reference.decode_matmul_reference(x, w, w_scale=s), seed, 1e-2 if folded else 4e-3)
+
+
+@pytest.mark.parametrize("x_scale", [3e4, 1e-3])
+def test_fp8_f16_path_x_range(x_scale):
+    """The f16 path carries x as f16(x * 2^-X_SHIFT): activations past f16's 65504 and small ones
+    keep their accuracy (bf16 -> f16 is exact in 2^-8 <= |x| <= 2^22)."""
+    rng, seed = fresh_rng()
+    x, w, s = make_case(rng, 9, 256, 256, "block")
+    x = (x.astype(jnp.float32) * x_scale).astype(jnp.bfloat16)
+    y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=F16, num_sms=3, interpret=True)
+    assert_close(y, reference.decode_matmul_reference(x, w, w_scale=s), seed, 4e-3)
 
 
 def test_stream_k_split_and_poisoned_slots():
@@ -172,20 +191,23 @@ def test_gate_up_large_t_falls_back_to_two_launches():
 
 # ---- lowering for cuda (no GPU needed) -------------------------------------------------------
 
-@pytest.mark.parametrize("t,kind,mats,layers", [(1, "bf16", 1, 4), (33, "block", 2, 3), (128, "channel", 1, None),
-                                                (256, "bf16", 1, None)])
-def test_lowers_for_cuda(t, kind, mats, layers):
+@pytest.mark.parametrize("t,kind,mats,layers,cfg", [
+    (1, "bf16", 1, 4, None), (33, "block", 2, 3, None), (128, "channel", 1, None, None),
+    (256, "bf16", 1, None, None), (8, "block", 1, 4, F16), (64, "block", 2, None, F16),
+    (40, "block", 1, None, gpu.TileConfig(256, 128, fp8_via="f16")), (16, "fp8", 1, None, F16)])
+def test_lowers_for_cuda(t, kind, mats, layers, cfg):
     d, f = 1024, 2048
     pre = () if layers is None else (layers,)
     x = jax.ShapeDtypeStruct((t, d), jnp.bfloat16)
     w = jax.ShapeDtypeStruct(pre + (d, f), jnp.bfloat16 if kind == "bf16" else FP8)
-    s = {"bf16": None, "channel": jax.ShapeDtypeStruct(pre + (f,), jnp.float32),
+    s = {"bf16": None, "fp8": None, "channel": jax.ShapeDtypeStruct(pre + (f,), jnp.float32),
          "block": jax.ShapeDtypeStruct(pre + (d // 128, f // 128), jnp.float32)}[kind]
     lay = None if layers is None else jax.ShapeDtypeStruct((), jnp.int32)
     if mats == 1:
-        fn = lambda x, w, s, l: gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, num_sms=132)
+        fn = lambda x, w, s, l: gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, cfg=cfg, num_sms=132)
     else:
-        fn = lambda x, w, s, l: gpu.gate_up_silu_gpu(x, w, w, gate_scale=s, up_scale=s, layer=l, num_sms=132)
+        fn = lambda x, w, s, l: gpu.gate_up_silu_gpu(x, w, w, gate_scale=s, up_scale=s, layer=l, cfg=cfg,
+                                                     num_sms=132)
     text = jax.jit(fn).trace(x, w, s, lay).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 MAX_T = 256          # wgmma N limit
+X_SHIFT = 6          # fp8 "f16" path: x enters as f16(x * 2^-6): exact for 2^-8 <= |x| <= 2^22
 SMEM_LIMIT = 227 * 1024
 
 
@@ -56,6 +57,12 @@ class TileConfig:
     max_stages: int = 8
     smem_budget: int = 200 * 1024
     ctas_per_sm: int = 1
+    # fp8 weights: "bf16" converts e4m3 -> f32 -> bf16 in SMEM with the block scale folded into
+    # the weights; "f16" converts e4m3 -> f16 (one cvt per pair, exact), runs the wgmma in f16
+    # with x cast to f16 (pre-scaled by 2^-X_SHIFT) and applies each 128x128 block scale to a
+    # per-block float32 product. Ignored for bf16 weights.
+    fp8_via: str = "bf16"
+    deq_rows: int = 64   # rows of the fp8 tile converted per load/convert/store round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +81,8 @@ class Plan:
     n_slots: int
     stages: int
     slot_mask: tuple   # [n_slots][f_tiles] bools: was partial (slot, tile) written
+    fp8_via: str = "bf16"
+    deq_rows: int = 64
 
 
 def padded_t(t: int) -> int:
@@ -105,7 +114,7 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileCon
     budget = min(cfg.smem_budget, SMEM_LIMIT // cfg.ctas_per_sm) - fixed
     stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
     return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
-                n_slots, stages, mask)
+                n_slots, stages, mask, cfg.fp8_via, cfg.deq_rows)
 
 
 def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
@@ -122,6 +131,10 @@ def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
         return f"weight dtype {wdt} (kernel takes bf16 or float8_e4m3fn)"
     if not 1 <= t <= MAX_T:
         return f"T={t} outside 1..{MAX_T}"
+    if cfg.fp8_via not in ("bf16", "f16"):
+        return f"fp8_via={cfg.fp8_via!r} (use 'bf16' or 'f16')"
+    if cfg.deq_rows % 8 or cfg.tile_d % cfg.deq_rows:
+        return f"deq_rows={cfg.deq_rows} must be a multiple of 8 dividing tile_d={cfg.tile_d}"
     if cfg.tile_f % 64 or cfg.tile_d % 64:
         return f"tile sizes {cfg.tile_d}x{cfg.tile_f} must be multiples of 64"
     if d % cfg.tile_d:
@@ -161,6 +174,14 @@ def _mma_accumulate(acc, a_ref, b_ref, interpret: bool):
     return pl.run_state(mma_in_place)(plgpu.ACC.init(acc))
 
 
+def _mma_fresh(shape, a_ref, b_ref):
+    """a @ b with wgmma into a fresh float32 accumulator; returns the product (waited for)."""
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref)
+        return acc_ref[...]
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
 def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
     """Builds the plgpu.kernel computing partials P[M, slots, F, Tp] from x [Tp, D], M weights (+ scales).
 
@@ -174,6 +195,9 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     p = plan
     M = p.n_mats
     fp8 = is_fp8(w_dtype)
+    f16 = fp8 and p.fp8_via == "f16"
+    deq_dtype = jnp.float16 if f16 else jnp.bfloat16
+    x_fac = float(2 ** X_SHIFT) if f16 else 1.0
     w_item = jnp.dtype(w_dtype).itemsize
     x_tr = _tiled(min(p.tile_d, 64) * 2, 2)
     w_tr = _tiled(min(p.tile_f, 128 // w_item) * w_item, w_item)
@@ -227,7 +251,15 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
             x_t = x_smem.transpose((1, 0))
             new_accs = []
             for m in range(M):
-                if fp8:
+                if f16:
+                    # e4m3 -> f16 is exact and one cvt per pair; the scales stay out of the weights
+                    dst = deq_smems[m]
+                    for r in range(p.tile_d // p.deq_rows):
+                        rows = pl.ds(r * p.deq_rows, p.deq_rows)
+                        dst.at[rows][...] = w_smems[m].at[rows][...].astype(jnp.float16)
+                    plgpu.commit_smem()
+                    a_ref = dst
+                elif fp8:
                     dst = deq_smems[m]
                     for r in range(p.tile_d // 64):
                         rows = pl.ds(r * 64, 64)
@@ -242,7 +274,20 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                 else:
                     a_ref = w_smems[m]
 
-                new_accs.append(_mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
+                if f16 and block_scaled:
+                    # one fresh float32 product per 128-row scale block, scaled in registers
+                    acc = accs[m]
+                    for rb in range(rb_per_step):
+                        if rb_per_step == 1:
+                            a_blk, x_blk = a_ref, x_smem
+                        else:
+                            ks = pl.ds(rb * BLOCK, BLOCK)
+                            a_blk, x_blk = a_ref.at[ks], x_smem.at[:, ks]
+                        prod = _mma_fresh(acc.shape, a_blk.transpose((1, 0)), x_blk.transpose((1, 0)))
+                        acc = acc + prod * (s_cur[m][rb] * x_fac)
+                    new_accs.append(acc)
+                else:
+                    new_accs.append(_mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
             flush = jnp.logical_and(g < n_total,
                                     jnp.logical_or(k == k_steps - 1, i == n_per - 1))
 
@@ -251,7 +296,8 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                 slot = c - lax.div(j * k_steps, n_per)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 for m in range(M):
-                    out_smem[m] = new_accs[m]
+                    # x_fac: the unscaled/per-channel f16 path still carries x's 2^-X_SHIFT
+                    out_smem[m] = new_accs[m] * x_fac if (f16 and not block_scaled) else new_accs[m]
                 plgpu.commit_smem()
                 for m in range(M):
                     plgpu.copy_smem_to_gmem(
@@ -268,7 +314,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
 
     scratch = [plgpu.SMEM((M, p.tile_f, p.tp), jnp.float32)]
     if fp8:
-        scratch += [plgpu.SMEM((p.tile_d, p.tile_f), jnp.bfloat16, transforms=deq_tr) for _ in range(M)]
+        scratch += [plgpu.SMEM((p.tile_d, p.tile_f), deq_dtype, transforms=deq_tr) for _ in range(M)]
     kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     return plgpu.kernel(
         body,
@@ -358,6 +404,8 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     if x_padded and t != plan.tp:
         raise ValueError(f"x_padded=True but x has {t} rows, kernel wants Tp={plan.tp}")
     x_pad = x_TD if plan.tp == t else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
+    if is_fp8(ws[0].dtype) and plan.fp8_via == "f16" and x_pad.dtype != jnp.float16:
+        x_pad = (x_pad.astype(jnp.float32) * (2.0 ** -X_SHIFT)).astype(jnp.float16)
     args = [x_pad]
     if stacked:
         args.append(jnp.asarray(layer, jnp.int32).reshape(1))

@@ -1,11 +1,13 @@
 """Prefill/decode disaggregation on one host: KV transfer throughput between two processes (GB/s of raw KV moved
 prefill -> decode, codec included) and TTFT through the router vs a colocated server, same model and engine sizes.
 
-    python benchmarks/bench_pd.py --out pd.json [--prompt-tokens 1024 --reps 5]
+    python benchmarks/bench_pd.py --out pd.json [--prompt-tokens 1024,4096 --reps 5 --model synthetic]
 
 Starts four processes (colocated, prefill, decode, router) of `python -m tbjax.serve` on loopback. The transfer is
-measured by calling the prefill worker's Prefill RPC directly (its `done` message carries raw/wire bytes and the
-seconds from export to the decode side's acknowledgement). Prints a table, writes JSON.
+measured by calling the prefill worker's Prefill RPC directly (its `done` message carries raw/wire bytes, whether
+the pages went through the decode worker's shared memory, and the seconds from the sender's announce to the decode
+side's acknowledgement; the on-device export before it is not counted). `--model synthetic` serves SmolLM2-135M's
+shapes with random weights (machines without the model file). Prints a table, writes JSON.
 """
 import argparse
 import json
@@ -25,9 +27,12 @@ from serving.client import Client  # noqa: E402
 from serving.pd_worker import PD_SERVICE, dumps, loads  # noqa: E402
 
 
+ENV = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}     # several processes share one GPU
+
+
 def start(role, *args):
     p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--role", role, "--port", "0", "--metrics-port", "-1",
-                          *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                          *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
     return p
 
 
@@ -37,61 +42,88 @@ def address(p):
     return m.group(1)
 
 
-def ttft(target, ids, reps):
+def ttft(target, ids, reps, ends=None):
+    """TTFT samples (the first two requests, which may compile, dropped); ``ends`` gets the 2-token latencies."""
     out = []
     with Client(target, timeout=600) as c:
-        for i in range(reps + 1):
+        for i in range(reps + 2):
             t0 = time.perf_counter()
-            s = c.generate_stream(token_ids=ids, max_tokens=2, temperature=0)
+            s = c.generate_stream(token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True)
             next(s)
             out.append(time.perf_counter() - t0)
             list(s)
-    return out[1:]     # the first compiles
+            if ends is not None and i > 1:
+                ends.append(time.perf_counter() - t0)
+    return out[2:]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--prompt-tokens", default="1024", help="comma-separated prompt lengths")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--model", default=None, help="passed to the servers (default: the default model)")
+    ap.add_argument("--num-pages", type=int, default=512)
+    ap.add_argument("--kv-chunk-pages", type=int, default=16)
+    ap.add_argument("--kv-copier", default="auto")
+    ap.add_argument("--kv-shm-mb", type=int, default=256, help="decode worker's shared-memory arena (0: gRPC only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    eng = ["--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--num-pages", "512", "--kv-chunk-pages", "16"]
-    procs = [start("colocated", *[x for x in eng if x != "--kv-chunk-pages" and x != "16"]),
-             start("prefill", *eng), start("decode", *[x for x in eng if x not in ("--kv-chunk-pages", "16")])]
+    lens = [int(x) for x in a.prompt_tokens.split(",")]
+    model = ["--model", a.model] if a.model else []
+    eng = [*model, "--max-num-seqs", "8", "--max-num-batched-tokens", str(max(2048, max(lens))),
+           "--num-pages", str(a.num_pages), "--max-model-len", str(max(lens) + 64), "--kv-copier", a.kv_copier]
+    procs = [start("colocated", *eng), start("prefill", *eng, "--kv-chunk-pages", str(a.kv_chunk_pages)),
+             start("decode", *eng, "--kv-shm-mb", str(a.kv_shm_mb))]
+    rows = []
     try:
         col, pre, dec = (address(p) for p in procs)
-        procs.append(start("router", "--prefill-workers", pre, "--decode-workers", dec, "--worker-timeout", "600"))
+        procs.append(start("router", *model, "--prefill-workers", pre, "--decode-workers", dec, "--worker-timeout",
+                           "600"))
         rtr = address(procs[-1])
-        ids = [(i * 7919) % 40000 + 100 for i in range(a.prompt_tokens)]
-        transfers = []
-        with grpc.insecure_channel(pre) as ch:
-            rpc = ch.unary_stream(f"/{PD_SERVICE}/Prefill", request_serializer=lambda b: b,
-                                  response_deserializer=lambda b: b)
-            for i in range(a.reps + 1):
-                params = dict(max_tokens=4, temperature=0.0)
-                msgs = [loads(m) for m in rpc(dumps({"id": f"bench-{i}", "prompt_token_ids": ids, "params": params,
-                                                     "decode": dec}), timeout=600)]
-                transfers.append(msgs[-1]["done"])
-        transfers = transfers[1:]
-        gbs = [t["raw_bytes"] / t["seconds"] / 1e9 for t in transfers]
-        t_col, t_pd = ttft(col, ids, a.reps), ttft(rtr, ids, a.reps)
-        res = dict(prompt_tokens=a.prompt_tokens, codec=transfers[0]["codec"], pages=transfers[0]["pages"],
-                   raw_mb=transfers[0]["raw_bytes"] / 1e6, wire_mb=transfers[0]["wire_bytes"] / 1e6,
-                   transfer_s=statistics.median(t["seconds"] for t in transfers), transfer_gbs=statistics.median(gbs),
-                   ttft_colocated_s=statistics.median(t_col), ttft_disaggregated_s=statistics.median(t_pd),
-                   ttft_ratio=statistics.median(t_pd) / statistics.median(t_col), ttft_col_all=t_col, ttft_pd_all=t_pd)
-        print(f"{'prompt':>7} {'codec':>9} {'pages':>6} {'raw MB':>8} {'wire MB':>8} {'xfer s':>7} {'GB/s':>6} "
-              f"{'TTFT col':>9} {'TTFT pd':>8} {'ratio':>6}")
-        print(f"{a.prompt_tokens:>7} {res['codec']:>9} {res['pages']:>6} {res['raw_mb']:>8.2f} {res['wire_mb']:>8.2f} "
-              f"{res['transfer_s']:>7.3f} {res['transfer_gbs']:>6.3f} {res['ttft_colocated_s']:>9.3f} "
-              f"{res['ttft_disaggregated_s']:>8.3f} {res['ttft_ratio']:>6.2f}")
+        print(f"{'prompt':>7} {'codec':>9} {'shm':>4} {'pages':>6} {'raw MB':>8} {'wire MB':>8} {'xfer ms':>8} "
+              f"{'GB/s':>6} {'TTFT col ms':>11} {'TTFT pd ms':>10} {'ratio':>6} {'2tok col':>8} {'2tok pd':>8}", flush=True)
+        for n_tok in lens:
+            ids = [(i * 7919) % 40000 + 100 for i in range(n_tok)]
+            transfers = []
+            with grpc.insecure_channel(pre) as ch:
+                rpc = ch.unary_stream(f"/{PD_SERVICE}/Prefill", request_serializer=lambda b: b,
+                                      response_deserializer=lambda b: b)
+                for i in range(a.reps + 1):
+                    params = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+                    msgs = [loads(m) for m in rpc(dumps({"id": f"bench-{n_tok}-{i}", "prompt_token_ids": ids,
+                                                         "params": params, "decode": dec}), timeout=600)]
+                    transfers.append(msgs[-1]["done"])
+            transfers = transfers[1:]
+            gbs = [t["raw_bytes"] / t["seconds"] / 1e9 for t in transfers]
+            e_col, e_pd = [], []
+            t_col, t_pd = ttft(col, ids, a.reps, e_col), ttft(rtr, ids, a.reps, e_pd)
+            res = dict(prompt_tokens=n_tok, codec=transfers[0]["codec"], shm=transfers[0].get("shm", False),
+                       pages=transfers[0]["pages"], raw_mb=transfers[0]["raw_bytes"] / 1e6,
+                       wire_mb=transfers[0]["wire_bytes"] / 1e6,
+                       transfer_s=statistics.median(t["seconds"] for t in transfers),
+                       transfer_gbs=statistics.median(gbs), ttft_colocated_s=statistics.median(t_col),
+                       ttft_disaggregated_s=statistics.median(t_pd),
+                       ttft_ratio=statistics.median(t_pd) / statistics.median(t_col), ttft_col_all=t_col,
+                       ttft_pd_all=t_pd, transfer_all=transfers, two_tokens_colocated_s=statistics.median(e_col),
+                       two_tokens_disaggregated_s=statistics.median(e_pd))
+            rows.append(res)
+            print(f"{n_tok:>7} {res['codec']:>9} {str(res['shm']):>4} {res['pages']:>6} {res['raw_mb']:>8.2f} "
+                  f"{res['wire_mb']:>8.2f} {res['transfer_s'] * 1e3:>8.2f} {res['transfer_gbs']:>6.2f} "
+                  f"{res['ttft_colocated_s'] * 1e3:>11.2f} {res['ttft_disaggregated_s'] * 1e3:>10.2f} "
+                  f"{res['ttft_ratio']:>6.2f} {res['two_tokens_colocated_s'] * 1e3:>8.2f} "
+                  f"{res['two_tokens_disaggregated_s'] * 1e3:>8.2f}", flush=True)
+    finally:
+        for p in procs:          # SIGTERM: servers drain and the decode worker unlinks its shared memory
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         if a.out:
             with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+                json.dump({"args": vars(a), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tbjax.serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
-                    help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct)")
+                    help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct); "
+                         "'synthetic': SmolLM2-135M's shapes with random weights (benchmarks without the file)")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: from the model path)")
     ap.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router", "split"],
                     help="colocated: one engine does prefill and decode; prefill / decode: a worker of disaggregated "
@@ -44,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--kv-timeout", type=float, default=10.0,
                     help="decode: seconds a KV reservation (or landed KV) lives without progress")
     pd.add_argument("--kv-chunk-pages", type=int, default=8, help="prefill: KV pages per transfer chunk")
+    pd.add_argument("--kv-shm-mb", type=int, default=256,
+                    help="decode: shared-memory arena (MiB) for KV from prefill workers on this host (0: gRPC only); "
+                         "prefill: 0 never offers shared memory")
+    pd.add_argument("--kv-copier", default="auto", choices=["auto", "cupy", "jax-pinned", "numpy"],
+                    help="how KV pages move between the device and shared memory")
     pd.add_argument("--worker-timeout", type=float, default=60.0,
                     help="router / prefill: seconds to wait for a worker's next message")
     net = ap.add_argument_group("network")
@@ -91,6 +97,11 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
                                    ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype)) if v is not None}
     if a.role == "router":   # the router only tokenizes and validates: its engine never runs
         engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
+    if a.model == "synthetic":    # SmolLM2-135M shapes, random weights (benchmarks where the model file is absent)
+        from .synthetic import synthetic_served_model
+        if a.role == "split":
+            return tuple(synthetic_served_model(device=dev, **engine_kw) for dev in split_devices())
+        return synthetic_served_model(**engine_kw)
     name = a.served_model_name or model_name_for_path(a.model)
     if a.role == "split":
         return tuple(ServedModel.from_llm(_llm_on(tbjax, a.model, dev, engine_kw), name=name)
@@ -129,7 +140,8 @@ async def _serve_split(a: argparse.Namespace, models) -> int:
     between them over the same transfer service (loopback gRPC, SplitZip, per-chunk checksums) as across hosts."""
     pre_model, dec_model = models
     workers = [Server(m, host="127.0.0.1", port=0, limits=Limits(), metrics_port=None, role=r,
-                      kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout)
+                      kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
+                      kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier)
                for m, r in ((pre_model, "prefill"), (dec_model, "decode"))]
     for w in workers:
         await w.start()
@@ -150,7 +162,8 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                     metrics_port=None if a.metrics_port < 0 else a.metrics_port, role=a.role,
                     prefill_workers=[w for w in a.prefill_workers.split(",") if w],
                     decode_workers=[w for w in a.decode_workers.split(",") if w],
-                    kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout)
+                    kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
+                    kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 

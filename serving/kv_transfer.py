@@ -19,12 +19,20 @@ for CPU workers; the engine's KV cache implements the same three methods (via it
 can import pages. Codecs are behind ``Codec``: ``raw`` is always there; ``SplitZipCodec`` (the exponent-split
 codec) is registered with ``register_codec(SplitZipCodec(codebook))`` by a worker that wants it, and the two
 sides agree on a codec at Announce.
+
+Same host: a receiver built with ``shm_bytes > 0`` owns a shared-memory arena (``serving/kv_shm.py``); a sender on
+the same host (equal ``host_id``) that offers ``shm`` is granted a region at Announce and copies the pages there
+(device -> pinned host DMA with the ``cupy`` copier); the chunks then carry only the page range and a 64-bit
+device-side checksum (``in_shm``). The handshake, timeouts, and failure handling are the same; the region is
+freed with the reservation. A sender that cannot map the region sends the pages in the payload instead.
+fp8 pools: each chunk carries its pages' float32 scales (``scales``, crc32-checked) on either path.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
+import os
 import time
 import uuid
 import zlib
@@ -34,6 +42,7 @@ from typing import Callable, Protocol, Sequence
 import grpc
 import numpy as np
 
+from . import kv_shm
 from .api import lenient_deserializer
 from .proto import tbjax_kv_v1_pb2 as kvpb
 
@@ -125,7 +134,8 @@ class PagePool(Protocol):
     # reserve and write may also be coroutines (a pool behind an engine thread)
     def reserve(self, n: int, request_id: str = "") -> list[int]: ...   # raises OutOfPages when it cannot
 
-    def write(self, page_ids: Sequence[int], pages: np.ndarray) -> None: ...
+    # pages: [>= len(page_ids), *page_shape] (rows past len(page_ids) are padding); scales likewise or None
+    def write(self, page_ids: Sequence[int], pages, scales=None) -> None: ...
 
     def free(self, page_ids: Sequence[int]) -> None: ...
 
@@ -133,9 +143,10 @@ class PagePool(Protocol):
 class ArrayPagePool:
     """A numpy page store ``[P, *page_shape]`` with a free list (tests, CPU workers)."""
 
-    def __init__(self, num_pages: int, page_shape: Sequence[int], dtype="float32"):
+    def __init__(self, num_pages: int, page_shape: Sequence[int], dtype="float32", scales_shape=None):
         self.dtype = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
         self.data = np.zeros((num_pages, *page_shape), self.dtype)
+        self.scales = None if scales_shape is None else np.zeros((num_pages, *scales_shape), np.float32)
         self._free = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -151,8 +162,13 @@ class ArrayPagePool:
             raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
         return [self._free.pop() for _ in range(n)]
 
-    def write(self, page_ids, pages: np.ndarray) -> None:
-        self.data[np.asarray(page_ids)] = pages
+    def write(self, page_ids, pages, scales=None) -> None:
+        ids = np.asarray(page_ids)
+        self.data[ids] = np.asarray(pages)[:len(ids)]
+        if scales is not None:
+            if self.scales is None:
+                raise ValueError("this pool keeps no scales")
+            self.scales[ids] = np.asarray(scales)[:len(ids)]
 
     def free(self, page_ids) -> None:
         dup = set(page_ids) & set(self._free)
@@ -174,6 +190,8 @@ class _Reservation:
     raw_bytes: int = 0
     wire_bytes: int = 0
     streaming: bool = False
+    shm_offset: int | None = None     # granted region of the receiver's arena
+    shm_chunks: int = 0               # chunks that came through it
 
 
 class KVReceiver:
@@ -182,7 +200,12 @@ class KVReceiver:
     def __init__(self, pool: PagePool, *, page_dtype: str, page_shape: Sequence[int], codecs: Sequence[str] = ("raw",),
                  timeout_s: float = 10.0, metrics=None,
                  on_ready: Callable[[str, list[int], int], None] | None = None,
-                 on_failed: Callable[[str, str], None] | None = None):
+                 on_failed: Callable[[str, str], None] | None = None,
+                 scales_shape: Sequence[int] | None = None, shm_bytes: int = 0, copier: str = "auto", device=None):
+        """``scales_shape``: per-page float32 scales that must come with the pages (fp8 pools). ``shm_bytes``:
+        size of the same-host shared-memory arena (0: none, every transfer over gRPC). ``copier``: how pages
+        leave the segment (``kv_shm.make_copier``); ``device``: the jax device the pool wants pages on (None:
+        host arrays)."""
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
             raise ValueError(f"unknown codecs {unknown}; registered: {sorted(CODECS)}")
@@ -195,6 +218,20 @@ class KVReceiver:
         self.metrics = metrics
         self.on_ready = on_ready
         self.on_failed = on_failed
+        self.scales_shape = None if not scales_shape else tuple(int(s) for s in scales_shape)
+        self.device = device
+        self.arena: kv_shm.ShmArena | None = None
+        self.copier: kv_shm.HostCopier | None = None
+        self.host_id = kv_shm.host_id()
+        if shm_bytes > 0:
+            try:
+                self.arena = kv_shm.ShmArena(shm_bytes)
+                self.copier = kv_shm.make_copier(copier)
+            except Exception as e:  # noqa: BLE001 - no /dev/shm, no memory: transfers go over gRPC
+                log.warning("no shared-memory KV arena (%s): transfers go over gRPC", e)
+                if self.arena is not None:
+                    self.arena.close()
+                self.arena = None
         self._res: dict[str, _Reservation] = {}
         self._expiry: asyncio.Task | None = None
         self.num_completed = 0
@@ -212,11 +249,17 @@ class KVReceiver:
     def _fail(self, res: _Reservation, reason: str) -> None:
         if self._res.pop(res.id, None) is None:
             return
+        self._free_region(res)
         self.pool.free(res.pages)
         self.num_failed += 1
         log.info("KV reservation %s (request %s) freed: %s", res.id, res.request_id, reason)
         if self.on_failed is not None:
             self.on_failed(res.request_id, reason)
+
+    def _free_region(self, res: _Reservation) -> None:
+        if res.shm_offset is not None and self.arena is not None:
+            self.arena.free(res.shm_offset)
+        res.shm_offset = None
 
     def start(self) -> None:
         """Start the expiry task (call on the serving loop)."""
@@ -229,6 +272,9 @@ class KVReceiver:
             self._expiry = None
         for res in list(self._res.values()):
             self._fail(res, "receiver stopped")
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
     async def _expire_loop(self) -> None:
         period = max(0.01, min(0.5, self.timeout_s / 4))
@@ -249,6 +295,10 @@ class KVReceiver:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"page layout {req.layout.dtype}{list(req.layout.shape)} does not match this "
                                 f"worker's {self.dtype.name}{list(self.page_shape)}")
+        if (tuple(req.layout.scales_shape) or None) != self.scales_shape:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"page scales {list(req.layout.scales_shape)} do not match this worker's "
+                                f"{list(self.scales_shape or [])} (fp8 pools need their scales)")
         codec = next((c for c in req.codecs if c in self.codecs), None)
         if codec is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -260,9 +310,15 @@ class KVReceiver:
         except Exception as e:  # noqa: BLE001 - the pool's own out-of-pages error
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve {req.num_pages} KV pages: {e}")
         rid = uuid.uuid4().hex
-        self._res[rid] = _Reservation(rid, req.request_id, pages, req.num_tokens, codec,
-                                      time.monotonic() + self.timeout_s, np.zeros(req.num_pages, bool))
-        return kvpb.AnnounceResponse(reservation_id=rid, codec=codec, timeout_ms=int(self.timeout_s * 1000))
+        res = self._res[rid] = _Reservation(rid, req.request_id, pages, req.num_tokens, codec,
+                                            time.monotonic() + self.timeout_s, np.zeros(req.num_pages, bool))
+        shm_name = ""
+        if req.shm and self.arena is not None and req.host_id == self.host_id:
+            res.shm_offset = self.arena.alloc(req.num_pages * self.page_nbytes)   # None: arena full -> gRPC
+            if res.shm_offset is not None:
+                shm_name = self.arena.name
+        return kvpb.AnnounceResponse(reservation_id=rid, codec=codec, timeout_ms=int(self.timeout_s * 1000),
+                                     shm_name=shm_name, shm_offset=res.shm_offset or 0)
 
     async def PushKV(self, request_iterator, context):
         res: _Reservation | None = None
@@ -304,11 +360,13 @@ class KVReceiver:
                 self._fail(res, f"transfer stream broke: {type(e).__name__}: {e}")
             raise
         del self._res[res.id]
+        used_shm = res.shm_chunks > 0
+        self._free_region(res)
         self.num_completed += 1
         if self.on_ready is not None:
             self.on_ready(res.request_id, res.pages, res.num_tokens)
         return kvpb.PushResult(reservation_id=res.id, pages=len(res.pages), raw_bytes=res.raw_bytes,
-                               wire_bytes=res.wire_bytes)
+                               wire_bytes=res.wire_bytes, shm=used_shm)
 
     async def _take_chunk(self, res: _Reservation, chunk) -> None:
         n, first = chunk.num_pages, chunk.first_page
@@ -317,19 +375,42 @@ class KVReceiver:
                          f"chunk pages [{first}, {first + n}) outside the {len(res.pages)} announced")
         if res.received[first:first + n].any():
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk pages [{first}, {first + n}) sent twice")
-        if chunk.codec != res.codec:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk codec {chunk.codec!r}, agreed {res.codec!r}")
-        if zlib.crc32(chunk.payload) != chunk.crc32:
-            raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in chunk at page {first}")
         if chunk.raw_nbytes != n * self.page_nbytes:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"chunk says {chunk.raw_nbytes} raw bytes, {n} pages are {n * self.page_nbytes}")
+        scales = None
+        if self.scales_shape is not None:
+            if zlib.crc32(chunk.scales) != chunk.scales_crc32:
+                raise _Abort(grpc.StatusCode.DATA_LOSS, f"scales checksum mismatch in chunk at page {first}")
+            want = n * int(np.prod(self.scales_shape)) * 4
+            if len(chunk.scales) != want:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"chunk carries {len(chunk.scales)} bytes of scales, {want} expected")
+            scales = np.frombuffer(chunk.scales, np.float32).reshape(n, *self.scales_shape)
+        elif chunk.scales:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "chunk carries scales, this worker's pages have none")
+        if chunk.in_shm:
+            if res.shm_offset is None or self.arena is None:
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "chunk is in shared memory, none was granted")
+            off = res.shm_offset + first * self.page_nbytes
+            try:
+                pages = await asyncio.to_thread(self._from_shm, off, n, chunk.checksum64)
+            except _Abort:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise _Abort(grpc.StatusCode.INTERNAL, f"cannot read chunk at page {first} from shared memory: "
+                                                       f"{type(e).__name__}: {e}") from None
+        else:
+            if chunk.codec != res.codec:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk codec {chunk.codec!r}, agreed {res.codec!r}")
+            if zlib.crc32(chunk.payload) != chunk.crc32:
+                raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in chunk at page {first}")
+            try:
+                pages = CODECS[res.codec].decode(chunk.payload, self.dtype, (n, *self.page_shape))
+            except Exception as e:  # noqa: BLE001
+                raise _Abort(grpc.StatusCode.DATA_LOSS, f"cannot decode chunk at page {first}: {e}") from None
         try:
-            pages = CODECS[res.codec].decode(chunk.payload, self.dtype, (n, *self.page_shape))
-        except Exception as e:  # noqa: BLE001
-            raise _Abort(grpc.StatusCode.DATA_LOSS, f"cannot decode chunk at page {first}: {e}") from None
-        try:
-            w = self.pool.write(res.pages[first:first + n], pages)
+            w = self.pool.write(res.pages[first:first + n], pages, scales)
             if inspect.isawaitable(w):
                 await w
         except Exception as e:  # noqa: BLE001 - the pool could not store them
@@ -337,12 +418,24 @@ class KVReceiver:
         if res.id not in self._res:
             raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
         res.received[first:first + n] = True
+        res.shm_chunks += bool(chunk.in_shm)
         res.raw_bytes += chunk.raw_nbytes
-        res.wire_bytes += len(chunk.payload)
+        res.wire_bytes += len(chunk.payload) + len(chunk.scales)
         res.deadline = time.monotonic() + self.timeout_s     # progress renews the reservation
         if self.metrics is not None:
             self.metrics.transfer_raw.inc(chunk.raw_nbytes)
-            self.metrics.transfer_wire.inc(len(chunk.payload))
+            self.metrics.transfer_wire.inc(len(chunk.payload) + len(chunk.scales))
+
+    def _from_shm(self, offset: int, n: int, checksum64: int):
+        """The chunk's pages out of the region (to the pool's device), checked against the sender's checksum."""
+        from tbjax.engine.kv_pages import chunk_checksums
+
+        rows = self.copier.from_shm(self.arena.seg, offset, n, self.dtype, self.page_shape, self.device)
+        got = chunk_checksums(rows, n, rows.shape[0])[0]
+        if got != checksum64:
+            raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in shared-memory chunk at byte {offset} "
+                                                    f"({got:#x}, sender {checksum64:#x})")
+        return rows
 
     async def Release(self, req, context):
         res = self._res.get(req.reservation_id)
@@ -392,15 +485,39 @@ class SendStats:
     wire_bytes: int
     announce_s: float
     push_s: float
+    shm: bool = False
     extra: dict = field(default_factory=dict)
 
 
+_MAPPINGS: dict[str, kv_shm.ShmMapping] = {}     # receivers' segments this process has mapped (sender side)
+
+
+def _mapping(name: str) -> kv_shm.ShmMapping:
+    m = _MAPPINGS.get(name)
+    if m is None or not os.path.exists(m.path):      # a receiver that restarted made a new segment
+        m = _MAPPINGS[name] = kv_shm.ShmMapping(name)
+    return m
+
+
+def host_pages(pages, n: int) -> np.ndarray:
+    """Rows [0, n) of ``pages`` on the host (a device array goes through pinned host memory when it can)."""
+    if isinstance(pages, np.ndarray):
+        return pages[:n]
+    import jax
+
+    try:
+        return np.asarray(jax.device_put(pages, pages.sharding.with_memory_kind("pinned_host")))[:n]
+    except Exception:  # noqa: BLE001 - no pinned_host memory on this backend
+        return np.asarray(jax.device_get(pages))[:n]
+
+
 class KVSender:
-    """Prefill side: ``await send(request_id, pages)`` announces, then streams the pages chunk by chunk."""
+    """Prefill side: ``await send(request_id, pages)`` announces, then streams the pages chunk by chunk (through
+    the receiver's shared memory when it grants a region, else in the chunks' payload)."""
 
     def __init__(self, channel: grpc.aio.Channel, *, codecs: Sequence[str] = ("raw",), chunk_pages: int = 16,
                  timeout_s: float = 30.0, metrics=None, stall_after_chunks: int | None = None,
-                 stall_s: float = 3600.0):
+                 stall_s: float = 3600.0, shm: bool = True, copier: str | kv_shm.HostCopier = "auto"):
         self.stall_after_chunks, self.stall_s = stall_after_chunks, stall_s
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
@@ -408,6 +525,7 @@ class KVSender:
         if chunk_pages < 1:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
         self.codecs, self.chunk_pages, self.timeout_s, self.metrics = list(codecs), chunk_pages, timeout_s, metrics
+        self.shm, self._copier = shm, copier
         p = f"/{KV_SERVICE_NAME}/"
         self._announce = channel.unary_unary(p + "Announce", request_serializer=kvpb.AnnounceRequest.SerializeToString,
                                              response_deserializer=kvpb.AnnounceResponse.FromString)
@@ -416,37 +534,89 @@ class KVSender:
         self._release = channel.unary_unary(p + "Release", request_serializer=kvpb.ReleaseRequest.SerializeToString,
                                             response_deserializer=kvpb.ReleaseResponse.FromString)
 
-    async def _chunks_async(self, reservation_id: str, codec: str, pages: np.ndarray):
-        for i, chunk in enumerate(self.chunks(reservation_id, codec, pages)):
+    @property
+    def copier(self) -> kv_shm.HostCopier:
+        if isinstance(self._copier, str):
+            self._copier = _copier_named(self._copier)
+        return self._copier
+
+    async def _chunks_async(self, reservation_id: str, codec: str, pages, scales=None, n: int | None = None):
+        for i, chunk in enumerate(self.chunks(reservation_id, codec, pages, scales, n)):
             if self.stall_after_chunks is not None and i == self.stall_after_chunks:
                 await asyncio.sleep(self.stall_s)     # test hook: a sender that hangs mid-transfer
             yield chunk
             await asyncio.sleep(0)
 
-    def chunks(self, reservation_id: str, codec: str, pages: np.ndarray):
+    def _scales_fields(self, scales, first: int, m: int) -> dict:
+        if scales is None:
+            return {}
+        b = np.ascontiguousarray(scales[first:first + m], np.float32).tobytes()
+        return {"scales": b, "scales_crc32": zlib.crc32(b)}
+
+    def chunks(self, reservation_id: str, codec: str, pages, scales=None, n: int | None = None):
+        """Payload chunks (the gRPC byte path): pages host or device, first ``n`` rows."""
         enc = CODECS[codec]
-        n = pages.shape[0]
+        n = pages.shape[0] if n is None else n
+        pages = host_pages(pages, n)
         for first in range(0, n, self.chunk_pages):
             part = pages[first:first + self.chunk_pages]
             payload = enc.encode(part)
             yield kvpb.KVChunk(reservation_id=reservation_id, first_page=first, num_pages=part.shape[0], codec=codec,
                                raw_nbytes=part.nbytes, payload=payload, crc32=zlib.crc32(payload),
-                               last=first + self.chunk_pages >= n)
+                               last=first + self.chunk_pages >= n, **self._scales_fields(scales, first, part.shape[0]))
 
-    async def send(self, request_id: str, pages: np.ndarray, num_tokens: int = 0) -> SendStats:
+    async def _shm_chunks(self, ann, pages, scales, n: int, seg: kv_shm.ShmMapping, sums: list[int]):
+        """Chunks through the granted region: copy the pages in (off the event loop), send the control message.
+        ``sums``: the chunks' checksums, computed where the pages are before anything was copied."""
+        c = self.chunk_pages
+        row_bytes = int(np.prod(pages.shape[1:])) * pages.dtype.itemsize
+        copier = self.copier
+        for j, first in enumerate(range(0, n, c)):
+            if self.stall_after_chunks is not None and j == self.stall_after_chunks:
+                await asyncio.sleep(self.stall_s)
+            m = min(c, n - first)
+            await asyncio.to_thread(copier.to_shm, pages, first, m, seg, ann.shm_offset + first * row_bytes)
+            yield kvpb.KVChunk(reservation_id=ann.reservation_id, first_page=first, num_pages=m, codec=ann.codec,
+                               raw_nbytes=m * row_bytes, in_shm=True, checksum64=sums[j], last=first + c >= n,
+                               **self._scales_fields(scales, first, m))
+
+    async def send(self, request_id: str, pages, num_tokens: int = 0, *, num_pages: int | None = None,
+                   scales=None) -> SendStats:
+        """Move ``pages`` ([n, *page_shape], host numpy or a device array that may carry padding rows past
+        ``num_pages``) and fp8 ``scales`` ([n, *scales_shape] or None) to the receiver."""
         if pages.ndim < 2 or pages.shape[0] < 1:
             raise ValueError(f"pages must be [num_pages >= 1, *page_shape], got shape {pages.shape}")
+        n = pages.shape[0] if num_pages is None else int(num_pages)
+        if not 1 <= n <= pages.shape[0]:
+            raise ValueError(f"num_pages {num_pages} outside 1..{pages.shape[0]} (the rows given)")
+        if scales is not None:
+            scales = host_pages(scales, n)
+        dtype_name = np.dtype(pages.dtype).name
         t0 = time.perf_counter()
+        sums = None
+        if self.shm:    # before the announce: no reservation waits on this (or on its compile)
+            from tbjax.engine.kv_pages import chunk_checksums
+            sums = await asyncio.to_thread(chunk_checksums, pages, n, self.chunk_pages)
         try:
             ann = await self._announce(kvpb.AnnounceRequest(
-                request_id=request_id, num_pages=pages.shape[0], num_tokens=num_tokens,
-                layout=kvpb.PageLayout(dtype=pages.dtype.name, shape=list(pages.shape[1:])), codecs=self.codecs),
+                request_id=request_id, num_pages=n, num_tokens=num_tokens,
+                layout=kvpb.PageLayout(dtype=dtype_name, shape=list(pages.shape[1:]),
+                                       scales_shape=[] if scales is None else list(scales.shape[1:])),
+                codecs=self.codecs, host_id=kv_shm.host_id() if self.shm else "", shm=self.shm),
                 timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise TransferError(e.code(), f"announce of {request_id!r} failed: {e.details()}") from None
         t1 = time.perf_counter()
+        chunks = None
+        if ann.shm_name:
+            try:
+                chunks = self._shm_chunks(ann, pages, scales, n, _mapping(ann.shm_name), sums)
+            except Exception as e:  # noqa: BLE001 - cannot map it: the byte stream still works
+                log.warning("shared-memory region %s not usable (%s): sending over gRPC", ann.shm_name, e)
+        if chunks is None:
+            chunks = self._chunks_async(ann.reservation_id, ann.codec, pages, scales, n)
         try:
-            result = await self._push(self._chunks_async(ann.reservation_id, ann.codec, pages), timeout=self.timeout_s)
+            result = await self._push(chunks, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise TransferError(e.code(), f"transfer of {request_id!r} failed: {e.details()}") from None
         except BaseException:
@@ -459,5 +629,15 @@ class KVSender:
         if self.metrics is not None:
             self.metrics.transfer_raw.inc(result.raw_bytes)
             self.metrics.transfer_wire.inc(result.wire_bytes)
-        return SendStats(ann.reservation_id, ann.codec, result.pages, result.raw_bytes, result.wire_bytes,
-                         t1 - t0, time.perf_counter() - t1)
+        return SendStats(ann.reservation_id, "shm" if result.shm else ann.codec, result.pages, result.raw_bytes,
+                         result.wire_bytes, t1 - t0, time.perf_counter() - t1, shm=result.shm)
+
+
+_COPIER_CACHE: dict[str, kv_shm.HostCopier] = {}
+
+
+def _copier_named(name: str) -> kv_shm.HostCopier:
+    c = _COPIER_CACHE.get(name)
+    if c is None:
+        c = _COPIER_CACHE[name] = kv_shm.make_copier(name)
+    return c

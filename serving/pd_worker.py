@@ -15,7 +15,9 @@ Every wait has a timeout: a reservation lapses without progress (``KVReceiver``)
 reservations and held sequences (tests check that nothing leaks).
 
 Control messages are tiny JSON documents over gRPC generic handlers (service ``tbjax.pd.v1.Worker``); the KV
-itself travels as protobuf (``tbjax.kv.v1``).
+itself travels as protobuf (``tbjax.kv.v1``), or, when both workers are on one host, through the decode worker's
+shared-memory arena (``kv_shm``: the prefill side DMAs the pages from its device into it, the decode side from it
+into its device; only control messages go over gRPC). fp8 pools send their per-page scales with the pages.
 """
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ import os
 import time
 
 import grpc
-import numpy as np
 
 from .engine_loop import EngineLoop, RequestStream
 from .kv_transfer import CODECS, KVReceiver, KVSender, SplitZipCodec, TransferError, kv_service_handler, register_codec
@@ -60,6 +61,18 @@ def page_layout(engine) -> tuple[str, tuple[int, ...]]:
     """The transfer's page: one page id over all layers, [L, G, 2K, H], in the pools' dtype."""
     pages = engine.runner.caches[0][0]
     return str(pages.dtype), (len(engine.runner.caches), *pages.shape[1:])
+
+
+def scales_layout(engine) -> tuple[int, ...] | None:
+    """Per-page shape of the fp8 pools' scales over all layers, [L, 2K]; None when the pools have none."""
+    scales = engine.runner.caches[0][1]
+    return None if scales is None else (len(engine.runner.caches), *scales.shape[1:])
+
+
+def pool_device(engine):
+    """The jax device holding the engine's pools (None for CPU: received pages stay numpy until written)."""
+    dev = next(iter(engine.runner.caches[0][0].devices()))
+    return None if dev.platform == "cpu" else dev
 
 
 def kv_codecs_for(dtype: str) -> list[str]:
@@ -127,9 +140,10 @@ class _Base:
 class PrefillService(_Base):
     """``Prefill``: compute a prompt, answer its first token, push its KV to a decode worker."""
 
-    def __init__(self, engine_loop: EngineLoop, make_params, *, timeout_s: float = 30.0, chunk_pages: int = 16):
+    def __init__(self, engine_loop: EngineLoop, make_params, *, timeout_s: float = 30.0, chunk_pages: int = 16,
+                 shm: bool = True, copier: str = "auto"):
         super().__init__(engine_loop, make_params, timeout_s)
-        self.chunk_pages = chunk_pages
+        self.chunk_pages, self.shm, self.copier = chunk_pages, shm, copier
         self.dtype, self.page_shape = page_layout(engine_loop.engine)
         self.codecs = kv_codecs_for(self.dtype)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -162,25 +176,25 @@ class PrefillService(_Base):
                 yield dumps({"done": {"transferred": False}})
                 return
             try:
-                kv = await _future(self.engine_loop.call(lambda e: e.export_kv(rid)))
+                kv = await _future(self.engine_loop.call(lambda e: e.export_kv(rid, on_device=True)))
                 exported = True
             except Exception as e:  # noqa: BLE001
                 await context.abort(grpc.StatusCode.INTERNAL, f"KV export of {rid!r} failed: {e}")
         finally:
             if not exported:     # the held pages go back (done, refused, or the router went away)
                 self.engine_loop.abort(rid)
-        pages = kv.stacked()
         sender = KVSender(self._channel(target), codecs=self.codecs, chunk_pages=self.chunk_pages,
-                          timeout_s=self.timeout_s,
+                          timeout_s=self.timeout_s, shm=self.shm, copier=self.copier,
                           stall_after_chunks=1 if self.stall_prefix and rid.startswith(self.stall_prefix) else None)
         t0 = time.perf_counter()
         try:
-            st = await sender.send(rid, pages, kv.num_tokens)
+            st = await sender.send(rid, kv.device_pages, kv.num_tokens, num_pages=kv.num_pages,
+                                   scales=kv.device_scales)
         except TransferError as e:
             await context.abort(e.code, e.message)
         self.last_stats = st
         yield dumps({"done": {"transferred": True, "codec": st.codec, "pages": st.pages, "raw_bytes": st.raw_bytes,
-                              "wire_bytes": st.wire_bytes, "seconds": time.perf_counter() - t0}})
+                              "wire_bytes": st.wire_bytes, "shm": st.shm, "seconds": time.perf_counter() - t0}})
 
 
 class EnginePagePool:
@@ -203,11 +217,12 @@ class EnginePagePool:
             raise KeyError(f"pages {list(page_ids)[:4]} belong to no reservation")
         return got
 
-    async def write(self, page_ids, pages: np.ndarray) -> None:
+    async def write(self, page_ids, pages, scales=None) -> None:
+        """``pages`` in the transfer layout [>= n, L, G, 2K, H] (host or device), fp8 ``scales`` [n, L, 2K]."""
         rid, all_pages = self._owner(page_ids)
         first = all_pages.index(int(page_ids[0]))
-        layers = [pages[:, l] for l in range(pages.shape[1])]
-        await _future(self.engine_loop.call(lambda e: e.write_kv_pages(rid, layers, None, first)))
+        n = len(page_ids)
+        await _future(self.engine_loop.call(lambda e: e.write_kv_pages(rid, pages, scales, first, num_pages=n)))
 
     def forget(self, request_id: str, pages) -> None:
         for p in pages:
@@ -223,16 +238,16 @@ class EnginePagePool:
 class DecodeService(_Base):
     """The KV transfer receiver (late reservations into the engine's pools) and ``Decode``."""
 
-    def __init__(self, engine_loop: EngineLoop, make_params, *, timeout_s: float = 10.0, metrics=None):
+    def __init__(self, engine_loop: EngineLoop, make_params, *, timeout_s: float = 10.0, metrics=None,
+                 shm_bytes: int = 256 << 20, copier: str = "auto"):
         super().__init__(engine_loop, make_params, timeout_s)
         eng = engine_loop.engine
         self.dtype, self.page_shape = page_layout(eng)
-        if eng.kv_config.is_fp8:
-            raise NotImplementedError("disaggregated decode with fp8 KV pools (scales do not travel yet)")
         self.pool = EnginePagePool(engine_loop, eng.config.page_size)
         self.receiver = KVReceiver(self.pool, page_dtype=self.dtype, page_shape=self.page_shape,
                                    codecs=kv_codecs_for(self.dtype), timeout_s=timeout_s, metrics=metrics,
-                                   on_ready=self._on_ready)
+                                   on_ready=self._on_ready, scales_shape=scales_layout(eng), shm_bytes=shm_bytes,
+                                   copier=copier, device=pool_device(eng))
         self._landed: dict[str, tuple[list[int], float]] = {}    # request id -> (pages, deadline)
         self._expiry: asyncio.Task | None = None
 
@@ -253,7 +268,9 @@ class DecodeService(_Base):
             self._drop(rid, "decode worker stopped")
 
     def extra_stats(self) -> dict:
-        return {"landed": len(self._landed), "open_transfers": self.receiver.num_open}
+        a = self.receiver.arena
+        return {"landed": len(self._landed), "open_transfers": self.receiver.num_open,
+                "shm_regions": 0 if a is None else a.num_regions, "shm_segment": None if a is None else a.name}
 
     def _on_ready(self, rid: str, pages: list[int], num_tokens: int) -> None:
         self._landed[rid] = (pages, time.monotonic() + self.timeout_s)

@@ -244,7 +244,8 @@ class Server:
     def __init__(self, model: ServedModel, *, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
                  metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated",
                  prefill_workers: list[str] | None = None, decode_workers: list[str] | None = None,
-                 kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0):
+                 kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0,
+                 kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto"):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         self.model = model
@@ -262,11 +263,11 @@ class Server:
             if role == "prefill":
                 from .pd_worker import PrefillService
                 self.pd_service = PrefillService(self.engine_loop, model.make_params, timeout_s=worker_timeout_s,
-                                                 chunk_pages=kv_chunk_pages)
+                                                 chunk_pages=kv_chunk_pages, shm=kv_shm_bytes > 0, copier=kv_copier)
             elif role == "decode":
                 from .pd_worker import DecodeService
                 self.pd_service = DecodeService(self.engine_loop, model.make_params, timeout_s=kv_timeout_s,
-                                                metrics=self.metrics)
+                                                metrics=self.metrics, shm_bytes=kv_shm_bytes, copier=kv_copier)
         self.servicer = TbjaxServicer(model, self.engine_loop, self.limits, self.metrics, role)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None

@@ -61,8 +61,10 @@ def _all_free(engine):
         assert r.allocator.num_free == r.allocator.num_usable, (r.allocator.num_free, r.allocator.num_usable)
 
 
-def _disaggregated(pre, dec, prompts, params):
-    """Prefill everything on ``pre``, move the KV, decode on ``dec``; returns first token + decoded tokens."""
+def _disaggregated(pre, dec, prompts, params, stacked=False):
+    """Prefill everything on ``pre``, move the KV, decode on ``dec``; returns first token + decoded tokens.
+    ``stacked``: export on the device in the transfer layout [B, L, G, 2K, H] (padding rows included) and write
+    that layout, as a same-host transfer does."""
     for i, p in enumerate(prompts):
         pre.add_request(i, p, params, prefill_only=True)
     first = _drain(pre)
@@ -70,14 +72,26 @@ def _disaggregated(pre, dec, prompts, params):
     assert pre.scheduler.num_held == len(prompts)
     free_before = dec.scheduler.ranks[0].allocator.num_free
     for i, p in enumerate(prompts):
-        kv = pre.export_kv(i)
+        kv = pre.export_kv(i, on_device=stacked)
         assert kv.first_token == first[i][0] and kv.prompt_token_ids == p
         assert kv.num_pages == -(-len(p) // pre.config.page_size)
         assert dec.scheduler.ranks[0].allocator.num_free == free_before    # nothing reserved before the transfer
         ids = dec.reserve_kv(i, kv.num_tokens)
         assert len(ids) == kv.num_pages
-        # write in two parts, as chunks of a transfer arrive
         h = max(1, kv.num_pages // 2)
+        if stacked:
+            pg, sc = kv.device_pages, kv.device_scales
+            assert isinstance(pg, jax.Array) and pg.shape[0] >= kv.num_pages and pg.shape[0] & (pg.shape[0] - 1) == 0
+            assert pg.shape[1] == len(pre.runner.caches) and (sc is None) == (not pre.kv_config.is_fp8)
+            # first part: the whole padded array with num_pages (padding rows ignored); second part: host rows
+            dec.write_kv_pages(i, pg, sc, num_pages=h)
+            if h < kv.num_pages:
+                hp, hs = kv.stacked(), kv.stacked_scales()
+                dec.write_kv_pages(i, hp[h:], None if hs is None else hs[h:], first_page=h)
+            dec.add_prefilled_request(i, p, kv.first_token, params)
+            free_before = dec.scheduler.ranks[0].allocator.num_free
+            continue
+        # write in two parts, as chunks of a transfer arrive
         dec.write_kv_pages(i, [p_[:h] for p_ in kv.pages], None if kv.scales is None else [s[:h] for s in kv.scales])
         if h < kv.num_pages:
             dec.write_kv_pages(i, [p_[h:] for p_ in kv.pages],
@@ -99,15 +113,23 @@ def test_disaggregated_equals_reference(model, expected, kw):
         assert got[i] == want, i
 
 
-def test_disaggregated_fp8_equals_colocated_fp8(model):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_disaggregated_fp8_equals_colocated_fp8(model, stacked):
     params = SamplingParams.greedy(N_OUT, ignore_eos=True)
     colo = _engine(model, kv_dtype="float8_e4m3fn")
     for i, p in enumerate(PROMPTS):
         colo.add_request(i, p, params)
     want = _drain(colo)
     got = _disaggregated(_engine(model, kv_dtype="float8_e4m3fn"), _engine(model, kv_dtype="float8_e4m3fn"),
-                         PROMPTS, params)
+                         PROMPTS, params, stacked=stacked)
     assert got == want
+
+
+def test_stacked_export_equals_reference(model, expected):
+    pre, dec = _engine(model), _engine(model)
+    got = _disaggregated(pre, dec, PROMPTS, SamplingParams.greedy(N_OUT, ignore_eos=True), stacked=True)
+    for i, want in enumerate(expected):
+        assert got[i] == want, i
 
 
 def test_separate_device_sets(model, expected):

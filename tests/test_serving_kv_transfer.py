@@ -1,6 +1,10 @@
 """KV transfer with a late handshake (serving/kv_transfer.py) over real loopback gRPC: pages arrive
 bit-exact; pages are reserved only at Announce; bad checksums, wrong layouts, missing pages, a silent peer
-and a killed sender process all free the reservation (quickly, or within the timeout) and report failure."""
+and a killed sender process all free the reservation (quickly, or within the timeout) and report failure.
+The same-host shared-memory path: pages bit-exact with only control messages on the wire, its checksum equal to a
+numpy reference and sensitive to every bit, corruption in the segment is DATA_LOSS, a killed sender frees the
+reservation and its region, the segment is unlinked when the receiver stops, and every reason not to use it
+(other host, no arena, unmappable) falls back to bytes over gRPC. fp8 pools' scales travel on both paths."""
 import asyncio
 import contextlib
 import os
@@ -13,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from serving import kv_shm, kv_transfer
 from serving.kv_transfer import (CODECS, ArrayPagePool, KVReceiver, KVSender, SplitZipCodec, TransferError,
                                  kv_service_handler, register_codec)
 from serving.metrics import ServerMetrics
@@ -202,3 +207,203 @@ def test_killed_sender_process_frees_reservation():
             return time.monotonic() - t0
     freed_after = asyncio.run(main())
     assert freed_after < 3.5
+
+
+# -- same-host shared-memory data plane (serving/kv_shm.py) --------------------------------------------------
+def _shm_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("tbjax-kv-")}
+
+
+@pytest.mark.parametrize("n_pages,chunk_pages", [(1, 1), (7, 3), (20, 16)])
+def test_shm_roundtrip_bit_exact_only_control_on_the_wire(n_pages, chunk_pages):
+    pages = random_pages(n_pages, np.random.default_rng())
+    before = _shm_files()
+
+    async def main():
+        async with receiver_server(shm_bytes=1 << 20) as (addr, pool, rx, ev, metrics), \
+                grpc.aio.insecure_channel(addr) as ch:
+            assert rx.arena is not None and rx.arena.name in _shm_files()
+            pool.data.view(np.uint16)[:] = 0xFFFF
+            sent = []
+
+            class Recording(KVSender):
+                async def _shm_chunks(self, *a):
+                    async for c in super()._shm_chunks(*a):
+                        sent.append(c)
+                        yield c
+            st = await Recording(ch, chunk_pages=chunk_pages).send("s1", pages, num_tokens=3)
+            assert st.shm and st.raw_bytes == pages.nbytes and st.wire_bytes == 0
+            assert len(sent) == -(-n_pages // chunk_pages) and all(c.in_shm and not c.payload for c in sent)
+            (rid, ids, _), = ev["ready"]
+            assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
+            assert rx.arena.num_regions == 0 and rx.num_open == 0     # the region went back with the reservation
+            assert metrics.transfer_raw._value.get() == pages.nbytes
+            name = rx.arena.name
+        return name
+    name = asyncio.run(main())
+    assert name not in _shm_files() and _shm_files() == before       # the receiver unlinked its segment
+
+
+def test_shm_checksum_matches_numpy_reference_and_catches_flips():
+    from tbjax.engine.kv_pages import checksum_reference, chunk_checksums
+    rng = np.random.default_rng()
+    pages = random_pages(11, rng)
+    got = chunk_checksums(pages, 11, 4)
+    assert got == [checksum_reference(pages[i:i + 4]) for i in range(0, 11, 4)]
+    padded = np.concatenate([pages, random_pages(5, rng)])          # rows past n do not count
+    assert chunk_checksums(padded, 11, 4) == got
+    for _ in range(20):                                              # any single-bit flip changes the checksum
+        bad = pages.copy()
+        flat = bad.view(np.uint8).reshape(-1)
+        i = int(rng.integers(flat.size))
+        flat[i] ^= np.uint8(1 << int(rng.integers(8)))
+        assert chunk_checksums(bad, 11, 4) != got
+    swapped = pages.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]                                # so does moving a page
+    assert chunk_checksums(swapped, 11, 4)[0] != got[0] or np.array_equal(pages[0], pages[1])
+
+
+def test_shm_corruption_is_data_loss_and_frees_reservation_and_region():
+    class Corrupting(KVSender):
+        async def _shm_chunks(self, ann, pages, scales, n, seg, sums):
+            async for c in super()._shm_chunks(ann, pages, scales, n, seg, sums):
+                if c.first_page == 2:     # flip one bit of this chunk in the segment after the checksum
+                    seg.buf[ann.shm_offset + 2 * pages[0].nbytes + 5] ^= 4
+                yield c
+
+    async def main():
+        async with receiver_server(shm_bytes=1 << 20) as (addr, pool, rx, ev, _), \
+                grpc.aio.insecure_channel(addr) as ch:
+            with pytest.raises(TransferError) as e:
+                await Corrupting(ch, chunk_pages=2).send("bad", random_pages(6, np.random.default_rng()))
+            assert e.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.message
+            assert pool.num_free == 32 and rx.num_open == 0 and rx.arena.num_regions == 0
+            assert ev["failed"][0][0] == "bad"
+    asyncio.run(main())
+
+
+def test_shm_falls_back_to_grpc_other_host_no_arena_or_unmappable(monkeypatch):
+    pages = random_pages(5, np.random.default_rng())
+
+    async def main():
+        async with receiver_server(shm_bytes=1 << 20) as (addr, pool, rx, ev, _), \
+                grpc.aio.insecure_channel(addr) as ch:
+            rx.host_id = "another-host/boot"                 # the peer is not on this host: bytes over gRPC
+            st = await KVSender(ch).send("a", pages)
+            assert not st.shm and st.wire_bytes == pages.nbytes
+            rx.host_id = kv_shm.host_id()
+            monkeypatch.setattr(kv_transfer, "_mapping", lambda name: (_ for _ in ()).throw(OSError("no map")))
+            st = await KVSender(ch, chunk_pages=2).send("b", pages)   # granted but cannot map: bytes over gRPC
+            assert not st.shm and st.wire_bytes == pages.nbytes and rx.arena.num_regions == 0
+            for rid, ids, _ in ev["ready"]:
+                assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16)), rid
+        async with receiver_server() as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+            assert rx.arena is None
+            st = await KVSender(ch).send("c", pages)          # no arena at all
+            assert not st.shm and np.array_equal(pool.data[ev["ready"][0][1]].view(np.uint16), pages.view(np.uint16))
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_fp8_scales_travel_with_the_pages(shm):
+    rng = np.random.default_rng()
+    shape, sshape = (3, 4, 2, 8), (3, 2)
+    pages = rng.integers(0, 256, size=(5, *shape), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    scales = rng.random((5, *sshape), dtype=np.float32) + 0.5
+
+    async def main():
+        pool = ArrayPagePool(16, shape, "float8_e4m3fn", scales_shape=sshape)
+        rx = KVReceiver(pool, page_dtype="float8_e4m3fn", page_shape=shape, scales_shape=sshape,
+                        shm_bytes=(1 << 20) if shm else 0, on_ready=lambda *a: got.append(a))
+        got = []
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((kv_service_handler(rx),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        rx.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                st = await KVSender(ch, chunk_pages=2).send("f", pages, scales=scales)
+                assert st.shm == shm
+                (_, ids, _), = got
+                assert np.array_equal(pool.data[ids].view(np.uint8), pages.view(np.uint8))
+                assert np.array_equal(pool.scales[ids], scales)
+                with pytest.raises(TransferError) as e:          # pages without their scales are refused
+                    await KVSender(ch).send("g", pages)
+                assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "scales" in e.value.message
+                assert pool.num_free == 16 - 5 and rx.num_open == 0
+        finally:
+            await rx.stop()
+            await server.stop(0)
+    asyncio.run(main())
+
+
+SHM_SENDER_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys
+    import grpc, ml_dtypes, numpy as np
+    from serving import kv_transfer
+    from serving.kv_transfer import KVSender
+    addr, shape = sys.argv[1], (3, 4, 2, 8)
+
+    class Dying(KVSender):
+        async def _shm_chunks(self, *a):
+            i = 0
+            async for c in super()._shm_chunks(*a):
+                yield c
+                i += 1
+                if i == 2:
+                    print("SENT2", flush=True)
+                    await asyncio.sleep(0.5)
+                    os._exit(3)          # killed mid-transfer, the segment mapped in this process
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            await Dying(ch, chunk_pages=2).send("doomed", np.ones((10, *shape), ml_dtypes.bfloat16))
+    asyncio.run(main())
+""")
+
+
+def test_killed_sender_process_mid_shm_transfer_frees_reservation_and_region():
+    before = _shm_files()
+
+    async def main():
+        async with receiver_server(timeout_s=3.0, shm_bytes=1 << 20) as (addr, pool, rx, ev, _):
+            p = await asyncio.create_subprocess_exec(sys.executable, "-c", SHM_SENDER_SCRIPT, addr, cwd=ROOT,
+                                                     stdout=asyncio.subprocess.PIPE)
+            line = await asyncio.wait_for(p.stdout.readline(), 60)
+            assert line.strip() == b"SENT2"
+            assert rx.num_open == 1 and rx.arena.num_regions == 1 and pool.num_free == 22
+            assert await p.wait() == 3
+            assert await _wait(lambda: rx.num_open == 0, 4.5), "reservation not freed within the timeout"
+            assert pool.num_free == 32 and rx.arena.num_regions == 0 and not ev["ready"]
+            assert ev["failed"][0][0] == "doomed"
+    asyncio.run(main())
+    assert _shm_files() == before
+
+
+def test_segment_of_a_killed_receiver_is_swept():
+    p = __import__("subprocess").run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                     text=True)
+    dead_pid = int(p.stdout)                                        # a pid that has exited
+    stale = f"/dev/shm/tbjax-kv-{dead_pid}-0123456789ab"
+    with open(stale, "wb") as f:
+        f.write(b"x" * 4096)
+    mine = f"/dev/shm/tbjax-kv-{os.getpid()}-0123456789ab"          # a live process's segment stays
+    with open(mine, "wb") as f:
+        f.write(b"x")
+    try:
+        arena = kv_shm.ShmArena(1 << 16)
+        assert not os.path.exists(stale) and os.path.exists(mine)
+        a, b = arena.alloc(5000), arena.alloc(100)
+        assert a == 0 and b == 8192 and arena.alloc(1 << 16) is None    # page-aligned first fit; full -> None
+        arena.free(a)
+        with pytest.raises(RuntimeError):
+            arena.free(a)
+        arena.free(b)
+        assert arena.alloc(1 << 16) == 0                              # freed regions merge back
+        arena.close()
+        assert not os.path.exists(f"/dev/shm/{arena.name}")
+    finally:
+        for f in (stale, mine):
+            if os.path.exists(f):
+                os.unlink(f)

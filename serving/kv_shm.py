@@ -1,0 +1,398 @@
+"""Same-host data plane of the KV transfer: pages move through a POSIX shared-memory segment, not the gRPC stream.
+
+Why: gRPC bytes over loopback move well under 1 GB/s from Python (and ``jax.device_get`` only 1.6 GB/s on the
+H200), while a DMA between the GPU and pinned host memory moves ~50 GB/s each way. So, when both workers are on
+one host, the decode side owns a segment in ``/dev/shm`` (``ShmArena``: one segment, a region per open
+reservation), grants a region at ``Announce``, and the prefill side copies each chunk's pages straight into it;
+only control messages (the chunk's page range and checksum) travel over gRPC. The decode side copies the chunk
+out of the region into its pools. Both copies go through a ``HostCopier``:
+
+- ``numpy``: host arrays (CPU workers, tests);
+- ``cupy``: the segment is pinned once (``cudaHostRegister``) and pages move by ``cudaMemcpyAsync`` between the
+  JAX device buffer (shared zero-copy through DLPack) and the segment: one DMA each way, no staging;
+- ``jax-pinned``: device <-> a JAX ``pinned_host`` array (DMA), then a host memcpy into / out of the segment
+  (multi-threaded numpy copies): one extra host copy, no cupy needed.
+``auto`` picks cupy on a GPU when it imports, else jax-pinned on a GPU, else numpy.
+
+Integrity: each chunk carries the 64-bit device-side checksum of ``tbjax.engine.kv_pages.chunk_checksums``
+(computed on the prefill device before the copy, re-computed on the decode device after it), not crc32 (which
+runs ~1-2 GB/s on the host). The segment is created and unlinked by the decode side only (it outlives no
+receiver: ``close`` and an atexit hook unlink it; a receiver killed outright leaves its segment, which the next
+arena created on the host unlinks, since its pid is in the name), so a dead prefill process leaks nothing; the
+reservation's region is freed with the reservation. Regions are page aligned. Same host = same ``host_id()`` (boot id +
+hostname); any failure to open or map the segment makes the sender fall back to the gRPC byte stream.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import mmap
+import os
+import socket
+import threading
+import uuid
+
+import numpy as np
+
+__all__ = ["host_id", "sweep_stale", "ShmArena", "ShmMapping", "HostCopier", "NumpyCopier", "CupyCopier", "JaxPinnedCopier",
+           "make_copier", "COPIERS"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+ALIGN = 1 << 12
+
+
+def host_id() -> str:
+    """Identity of this host (and boot): two processes share /dev/shm only if these are equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class ShmMapping:
+    """A mapped /dev/shm segment (``create`` makes and owns it; otherwise it opens an existing one)."""
+
+    def __init__(self, name: str, size: int = 0, create: bool = False):
+        if "/" in name or not name:
+            raise ValueError(f"bad shared-memory segment name {name!r}")
+        self.name, self.path, self.owner = name, os.path.join(SHM_DIR, name), create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:     # allocate now: a full tmpfs fails here (ENOSPC), not later with SIGBUS on a write
+                os.posix_fallocate(fd, 0, size)
+            self.size = os.fstat(fd).st_size
+            if self.size <= 0:
+                raise ValueError(f"shared-memory segment {name!r} is empty")
+            self.mm = mmap.mmap(fd, self.size)
+        except BaseException:
+            if create:
+                os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self.mm, np.uint8)
+        self.registered_by: set[str] = set()     # copiers that pinned it
+        self._closed = False
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) outside the {self.size}-byte segment {self.name}")
+        return self.buf[offset:offset + nbytes]
+
+    @property
+    def address(self) -> int:
+        return self.buf.ctypes.data
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in list(self.registered_by):
+            COPIERS_LIVE.get(c, _noop).unregister(self)
+        self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:      # a view is still alive somewhere: the mapping goes when it does
+            pass
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class _Noop:
+    def unregister(self, seg):
+        pass
+
+
+_noop = _Noop()
+COPIERS_LIVE: dict = {}
+
+
+class ShmArena:
+    """Decode side: one segment, carved into page-aligned regions (first fit); ``alloc`` returns an offset or
+    None when no region of that size is free (the transfer then goes over gRPC)."""
+
+    def __init__(self, size: int, prefix: str = "tbjax-kv"):
+        if size < ALIGN:
+            raise ValueError(f"shared-memory arena of {size} bytes is too small (>= {ALIGN})")
+        sweep_stale(prefix)
+        self.seg = ShmMapping(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}", _round(size), create=True)
+        self._free: list[tuple[int, int]] = [(0, self.seg.size)]     # (offset, size), sorted by offset
+        self._used: dict[int, int] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    @property
+    def name(self) -> str:
+        return self.seg.name
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def num_regions(self) -> int:
+        return len(self._used)
+
+    def alloc(self, nbytes: int) -> int | None:
+        n = _round(max(nbytes, 1))
+        with self._lock:
+            for i, (off, size) in enumerate(self._free):
+                if size >= n:
+                    if size == n:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + n, size - n)
+                    self._used[off] = n
+                    return off
+        return None
+
+    def free(self, offset: int) -> None:
+        with self._lock:
+            n = self._used.pop(offset, None)
+            if n is None:
+                raise RuntimeError(f"shared-memory region at {offset} is not allocated (double free?)")
+            self._free.append((offset, n))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, size in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((off, size))
+            self._free = merged
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+def sweep_stale(prefix: str = "tbjax-kv") -> list[str]:
+    """Unlink segments ``{prefix}-{pid}-*`` whose creating process is gone (a decode worker killed with SIGKILL
+    cannot unlink its own); returns their names."""
+    gone = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return gone
+    for name in names:
+        parts = name[len(prefix) + 1:].split("-") if name.startswith(prefix + "-") else []
+        if len(parts) != 2 or not parts[0].isdigit():
+            continue
+        try:
+            os.kill(int(parts[0]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                gone.append(name)
+            except OSError:
+                pass
+        except (PermissionError, OverflowError):
+            pass
+    return gone
+
+
+def _round(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# -- copiers ---------------------------------------------------------------------------------------------------
+class HostCopier:
+    """Moves pages between where the engine keeps them and a region of a mapped segment."""
+
+    name = "?"
+
+    def register(self, seg: ShmMapping) -> None:
+        """Prepare ``seg`` for fast copies (pin it); called once per segment and side."""
+
+    def unregister(self, seg: ShmMapping) -> None:
+        pass
+
+    def to_shm(self, pages, first: int, n: int, seg: ShmMapping, offset: int) -> None:
+        """Copy rows ``[first, first + n)`` of ``pages`` (host or device array) into the segment at ``offset``."""
+        raise NotImplementedError
+
+    def from_shm(self, seg: ShmMapping, offset: int, n: int, dtype, row_shape, device=None):
+        """Rows ``n`` of ``row_shape`` from the segment at ``offset``, as an array with at least ``n`` rows
+        (padding rows may follow) where the pool wants them (``device``: a jax device, or None for the host)."""
+        raise NotImplementedError
+
+
+def _row_bytes(dtype, row_shape) -> int:
+    return int(np.prod(row_shape)) * np.dtype(dtype).itemsize
+
+
+def _bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+class NumpyCopier(HostCopier):
+    """Plain host copies (pages as numpy, or anything ``np.asarray`` takes)."""
+
+    name = "numpy"
+
+    def to_shm(self, pages, first, n, seg, offset):
+        src = np.asarray(pages[first:first + n])
+        dst = seg.view(offset, src.nbytes).view(src.dtype).reshape(src.shape)
+        np.copyto(dst, src)
+
+    def from_shm(self, seg, offset, n, dtype, row_shape, device=None):
+        dtype = np.dtype(dtype)
+        out = seg.view(offset, n * _row_bytes(dtype, row_shape)).view(dtype).reshape(n, *row_shape).copy()
+        if device is not None:
+            import jax
+            return jax.device_put(out, device)
+        return out
+
+
+class CupyCopier(HostCopier):
+    """cudaHostRegister the segment once, then one cudaMemcpyAsync per chunk each way (JAX <-> cupy by DLPack).
+    If DLPack exchange fails on this stack, it falls back to ``jax-pinned`` copies (``fallbacks`` counts them)."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.fallbacks = 0
+        self._alt: JaxPinnedCopier | None = None
+        COPIERS_LIVE[self.name] = self
+
+    def _fallback(self, what: str, e: BaseException) -> "JaxPinnedCopier":
+        if self.fallbacks == 0:
+            log.warning("cupy copier: %s failed (%s: %s); using jax-pinned copies", what, type(e).__name__, e)
+        self.fallbacks += 1
+        if self._alt is None:
+            self._alt = JaxPinnedCopier()
+        return self._alt
+
+    def register(self, seg):
+        if self.name in seg.registered_by:
+            return
+        self.cp.cuda.runtime.hostRegister(seg.address, seg.size, 0)
+        seg.registered_by.add(self.name)
+
+    def unregister(self, seg):
+        if self.name in seg.registered_by:
+            try:
+                self.cp.cuda.runtime.hostUnregister(seg.address)
+            finally:
+                seg.registered_by.discard(self.name)
+
+    def to_shm(self, pages, first, n, seg, offset):
+        if isinstance(pages, np.ndarray):
+            return NumpyCopier.to_shm(self, pages, first, n, seg, offset)
+        rb = _row_bytes(pages.dtype, pages.shape[1:])
+        seg.view(offset, n * rb)                          # bounds check
+        try:
+            self.register(seg)
+            pages.block_until_ready()
+            src = self.cp.from_dlpack(pages)              # zero-copy view of the JAX buffer
+        except Exception as e:  # noqa: BLE001
+            return self._fallback("device -> shm", e).to_shm(pages, first, n, seg, offset)
+        self.cp.cuda.runtime.memcpyAsync(seg.address + offset, src.data.ptr + first * rb, n * rb,
+                                         self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()
+
+    def from_shm(self, seg, offset, n, dtype, row_shape, device=None):
+        import jax
+
+        if device is None or device.platform == "cpu":
+            return NumpyCopier.from_shm(self, seg, offset, n, dtype, row_shape, device)
+        dtype = np.dtype(dtype)
+        rb = _row_bytes(dtype, row_shape)
+        seg.view(offset, n * rb)
+        B = _bucket(n)     # padded to a power of two: the pool's scatter compiles once per bucket
+        try:
+            self.register(seg)
+            hw = device.local_hardware_id if device.local_hardware_id is not None else device.id
+            with self.cp.cuda.Device(hw):
+                dst = self.cp.empty(B * rb, self.cp.uint8)
+                self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, seg.address + offset, n * rb,
+                                                 self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+                self.stream.synchronize()
+            arr = jax.dlpack.from_dlpack(dst)             # uint8 [B * rb] on the device
+        except Exception as e:  # noqa: BLE001
+            return self._fallback("shm -> device", e).from_shm(seg, offset, n, dtype, row_shape, device)
+        return _view_rows(arr, B, dtype, row_shape)
+
+
+def _view_rows(arr_u8, B, dtype, row_shape):
+    """uint8 device bytes -> [B, *row_shape] of ``dtype`` (a bitcast on the device)."""
+    import jax
+    import jax.numpy as jnp
+
+    isz = np.dtype(dtype).itemsize
+    if isz == 1:
+        out = jax.lax.bitcast_convert_type(arr_u8, jnp.dtype(dtype))
+    else:
+        out = jax.lax.bitcast_convert_type(arr_u8.reshape(-1, isz), jnp.dtype(dtype))
+    return out.reshape(B, *row_shape)
+
+
+class JaxPinnedCopier(HostCopier):
+    """Device <-> a JAX ``pinned_host`` array (DMA), then multi-threaded host memcpy <-> the segment."""
+
+    name = "jax-pinned"
+
+    def __init__(self, threads: int = 8):
+        self.threads = threads
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kv-memcpy")
+
+    def _par_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+        step = max(1 << 20, -(-d.size // self.threads))
+        list(self.pool.map(lambda i: np.copyto(d[i:i + step], s[i:i + step]), range(0, d.size, step)))
+
+    def to_shm(self, pages, first, n, seg, offset):
+        import jax
+
+        if isinstance(pages, np.ndarray):
+            src = np.ascontiguousarray(pages[first:first + n])
+        else:
+            part = pages[first:first + n]
+            src = np.asarray(jax.device_put(part, part.sharding.with_memory_kind("pinned_host")))
+        self._par_copy(seg.view(offset, src.nbytes), src)
+
+    def from_shm(self, seg, offset, n, dtype, row_shape, device=None):
+        import jax
+
+        dtype = np.dtype(dtype)
+        if device is None or device.platform == "cpu":
+            return NumpyCopier.from_shm(self, seg, offset, n, dtype, row_shape, device)
+        view = seg.view(offset, n * _row_bytes(dtype, row_shape)).view(dtype).reshape(n, *row_shape)
+        # host (pageable view of the segment) -> pinned_host array -> device: JAX stages the first copy itself
+        sh = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        pinned = jax.device_put(view, sh)
+        return jax.device_put(pinned, sh.with_memory_kind("device"))
+
+
+COPIERS = {"numpy": NumpyCopier, "cupy": CupyCopier, "jax-pinned": JaxPinnedCopier}
+
+
+def make_copier(name: str = "auto") -> HostCopier:
+    """A copier by name; ``auto``: cupy on a GPU if it imports, else jax-pinned on a GPU, else numpy."""
+    if name == "auto":
+        import jax
+
+        if jax.devices()[0].platform == "gpu":
+            try:
+                return CupyCopier()
+            except Exception:  # noqa: BLE001 - no cupy (or no CUDA runtime for it)
+                return JaxPinnedCopier()
+        return NumpyCopier()
+    if name not in COPIERS:
+        raise ValueError(f"unknown host copier {name!r}; choose one of {sorted(COPIERS)} or 'auto'")
+    return COPIERS[name]()

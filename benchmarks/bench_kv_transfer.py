@@ -105,6 +105,7 @@ def receiver_main(a):
         rx.start()
         print(f"LISTEN 127.0.0.1:{port} copier={type(rx.copier).__name__} shm={rx.arena is not None}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)     # until the sender closes stdin
+        print(f"receiver copier fallbacks: {getattr(rx.copier, 'fallbacks', 0)}", file=sys.stderr, flush=True)
         await rx.stop()
         await server.stop(0)
     asyncio.run(main())
@@ -274,22 +275,24 @@ def main():
     for k, v in res["ceiling"].items():
         print(f"ceiling {k:<38} " + (f"{v['gbs']:7.2f} GB/s" if isinstance(v, dict) else str(v)), flush=True)
     log = f"/tmp/bench_kv_transfer_{os.getpid()}.jsonl"
-    for copier in copiers:
+    runs = [(c, [(f"shm/{c}/c{k}", a.pages, k, True, ["raw"]) for k in map(int, a.chunks.split(","))])
+            for c in copiers]
+    if not a.skip_grpc:    # last: the splitzip encoder may compile for a while
+        runs.append((copiers[0], [("grpc/raw", a.grpc_pages, 16, False, ["raw"]),
+                                  ("grpc/splitzip", a.grpc_pages, 16, False, ["splitzip", "raw"])]))
+    for copier, plans in runs:
         try:
             proc, addr, line = start_receiver(a, copier, log)
         except Exception as e:  # noqa: BLE001
-            res["variants"].append({"variant": f"shm/{copier}", "error": str(e)})
+            res["variants"].append({"variant": f"receiver/{copier}", "error": str(e)})
             continue
         print(line, flush=True)
         try:
             sc = kv_shm.make_copier(copier)
-            plans = [(f"shm/{copier}/c{c}", a.pages, c, True, ["raw"]) for c in map(int, a.chunks.split(","))]
-            if copier == copiers[0] and not a.skip_grpc:
-                plans += [("grpc/raw", a.grpc_pages, 16, False, ["raw"]),
-                          ("grpc/splitzip", a.grpc_pages, 16, False, ["splitzip", "raw"])]
             for name, n, c, shm, codecs in plans:
                 try:
                     r = asyncio.run(run_variant(addr, name, pages, n, c, a.reps, shm, codecs, sc, log))
+                    r["sender_copier_fallbacks"] = getattr(sc, "fallbacks", 0)
                 except Exception as e:  # noqa: BLE001
                     r = {"variant": name, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-2000:]}
                 res["variants"].append(r)
@@ -298,7 +301,10 @@ def main():
                 else:
                     print(f"{name:<24} {r['pages']:>5} pages {r['raw_bytes'] / 1e6:9.1f} MB raw "
                           f"{r['wire_bytes'] / 1e6:9.1f} MB wire {r['s'] * 1e3:9.2f} ms {r['gbs']:7.2f} GB/s "
-                          f"verified={r['verified']}", flush=True)
+                          f"verified={r['verified']} fallbacks={r['sender_copier_fallbacks']}", flush=True)
+                if a.out:     # partial results survive a timeout
+                    with open(a.out, "w") as f:
+                        json.dump(res, f, indent=1)
         finally:
             proc.stdin.close()
             try:

@@ -43,7 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption: str = "recompute"
     attn_impl: str = "auto"
-    matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU) | "xla" | "kernel"
+    matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU at batch <= 4) | "xla" | "kernel"
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ One compiled program per (kind, tokens, sequences, pages-per-sequence) bucket:
 Buckets are powers of two, so steady state never recompiles. Only the rows that sample are projected to
 logits, and sampling runs inside the same program: one small int32 array comes back per step.
 The KV pools are donated and updated in place. Decode steps send the projections to the weight-streaming matmul
-kernel on GPU (`matmul_impl`, tbjax/model/linear.py); prefill/mixed steps use XLA dots.
+kernel on GPU when that is faster (batches of <= 4: `matmul_impl`, tbjax/model/linear.py); others use XLA dots.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class StepInputs:
 def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logprobs: bool, attn_impl: str,
           matmul_impl: str = "auto"):
     scale = rope_attention_scale(spec)
-    mm = kernel_impl_for(matmul_impl, decode_only)
+    mm = kernel_impl_for(matmul_impl, decode_only, inp["tokens_T"].shape[0])
 
     def attend(layer, q, k, v, cache):
         pages, scales = cache

@@ -23,6 +23,13 @@ from pallas_kernels.matmul import decode_matmul, gate_up_silu
 
 MATMUL_IMPLS = ("auto", "xla", "kernel")
 KERNEL_MAX_T = 256      # the kernel's wgmma N limit: larger decode batches use XLA dots
+# "auto" sends decode batches of at most AUTO_KERNEL_MAX_T tokens to the kernel. Measured on the H200
+# (benchmarks/RESULTS.md, probe_launch_overhead.py and bench_engine_decode.py, 2026-11-29): at T=1 XLA's GEMV on a
+# statically sliced layer streams 0.71 TB/s against the kernel's 2.2-2.4 (32 layers of 4096x4096); at T=8 XLA's
+# Triton GEMM is as fast or faster (2.61 vs 2.39 TB/s), and in the Llama-8B decode step at batch 8 and 32 the
+# kernel path was 15% slower (6.47 vs 5.56 ms, 7.65 vs 6.73 ms): its float32 partial epilogue (~0.4 ms/step) and
+# the gaps between Mosaic launches (~1 ms/step) outweigh its streaming edge.
+AUTO_KERNEL_MAX_T = 4
 
 
 class LayerParams(Mapping):
@@ -71,12 +78,17 @@ def swiglu(p, x_TD, gate="w_gate", up="w_up", down="w_down"):
     return linear(p, down, h)
 
 
-def kernel_impl_for(matmul_impl: str, decode_only: bool) -> str | None:
-    """The kernel impl a step uses (None => XLA dots). "auto": the kernel for decode steps on a GPU backend."""
+def kernel_impl_for(matmul_impl: str, decode_only: bool, num_tokens: int = 1) -> str | None:
+    """The kernel impl a step uses (None => XLA dots).
+
+    "auto": the kernel for decode steps of at most AUTO_KERNEL_MAX_T tokens on a GPU backend; "kernel": for every
+    decode step (interpret mode off-GPU: tests); "xla": never. Prefill/mixed steps always use XLA dots.
+    """
     if matmul_impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
     if matmul_impl == "xla" or not decode_only:
         return None
     if matmul_impl == "kernel":
-        return "gpu"           # the Mosaic GPU kernel (interpret mode off-GPU: tests)
-    return "gpu" if jax.default_backend() == "gpu" else None
+        return "gpu"
+    ok = jax.default_backend() == "gpu" and num_tokens <= AUTO_KERNEL_MAX_T
+    return "gpu" if ok else None

@@ -10,7 +10,11 @@ Sections (each writes its results into the JSON as soon as it finishes, so a run
   fp8         fp8 (e4m3fn, e5m2) KV time vs bf16 on the same shapes.
   sparse      sparse decode (10% of pages) vs dense at 32k context.
   tuning      block size / stages / splits variants.
-  prefill     ragged prefill kernel vs the reference.
+  prefill     ragged prefill kernel vs the reference (uniform prefill, and a mixed prefill + decode batch).
+  fp8var      fp8 kernel variants (inline conversion vs warp-specialized converters, block, stages, split
+              policy) at batch 8 x 8k, against bf16 in the same run; picks the fastest for `grid`.
+  small       bf16 small-batch / short-context variants (block, stages, split policy).
+  grid        bf16 and fp8 (the fp8var winner) over batch x context, with errors against the reference.
 
 Usage: python3 benchmarks/bench_paged_attention.py --out results.json   (on the H200)
        python3 benchmarks/bench_paged_attention.py --smoke             (CPU: tiny shapes, interpreted kernels)
@@ -18,6 +22,7 @@ Usage: python3 benchmarks/bench_paged_attention.py --out results.json   (on the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -54,17 +59,38 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels, CPU")
   ap.add_argument("--out", default="paged_attention_bench.json")
   ap.add_argument("--time-limit", type=float, default=480.0, help="skip remaining sections after this many s")
-  ap.add_argument("--sections", default="ceiling,correctness,decode,fp8,sparse,triton,tuning,prefill")
-  ap.add_argument("--profile", default="full", choices=("full", "final"),
-                  help="final: the reduced matrices of the last recorded H200 run (fits the device budget)")
+  ap.add_argument("--sections", default="ceiling,correctness,decode,fp8,sparse,triton,tuning,prefill",
+                  help="r3 run: ceiling,correctness,fp8var,small,triton,sparse,prefill,grid")
+  ap.add_argument("--watchdog", type=float, default=0.0,
+                  help="if > 0: exit with status 3 (results saved) when nothing progresses for this many seconds "
+                       "(a hung kernel)")
+  ap.add_argument("--profile", default="full", choices=("full", "final", "r3"),
+                  help="final: the reduced matrices of run B; r3: run C (fp8 kernel variants, small-batch "
+                       "variants, Triton/sparse/prefill, then the bf16 + fp8 grid), fits the device budget")
   args = ap.parse_args()
   sections = args.sections.split(",")
   t_start = time.time()
   res = {"sections_done": [], "skipped": []}
 
+  progress = [time.time()]
+
   def save():
+    progress[0] = time.time()
     with open(args.out, "w") as f:
       json.dump(res, f, indent=1, default=str)
+
+  if args.watchdog > 0:
+    import threading
+
+    def watchdog():
+      while True:
+        time.sleep(2)
+        if time.time() - progress[0] > args.watchdog:
+          res["watchdog"] = f"no progress for {args.watchdog:.0f} s; exiting"
+          save()
+          print("WATCHDOG: no progress, exiting with status 3", flush=True)
+          os._exit(3)
+    threading.Thread(target=watchdog, daemon=True).start()
 
   if "ceiling" in sections and not args.smoke:
     res["ceiling"] = torch_copy_ceiling()  # before JAX grabs the GPU memory
@@ -76,6 +102,7 @@ def main():
   import numpy as np
 
   from pallas_kernels.paged_attention import gpu, reference, sparse
+  FP8_DEFAULT = gpu.FP8_CONVERTERS
 
   smoke = args.smoke
   impl_interp = smoke
@@ -117,6 +144,8 @@ def main():
       save()
       return False
     print(f"== {name} ({time.time() - t_start:.0f}s)", flush=True)
+    progress[0] = time.time()
+    res.setdefault("section_start_s", {})[name] = round(time.time() - t_start, 1)
     return True
 
   def done(name):
@@ -154,16 +183,20 @@ def main():
     return q, kv, bt, jnp.asarray(lens, jnp.int32), sc
 
   # ---------------------------------------------------------------- correctness
+  ws_rows = []
+
+  def record(name, out, ref, rows=ws_rows):
+    o, r = f32(out), f32(ref)
+    err = float(np.max(np.abs(o - r))) if o.size else 0.0
+    row = {"case": name, "max_abs_err": err, "nan": int(np.isnan(o).sum()), "ok": bool(err < 3e-2 and
+                                                                                       not np.isnan(o).any())}
+    rows.append(row)
+    progress[0] = time.time()
+    print(f"  {name:48s} err {err:.2e} {'OK' if row['ok'] else 'FAIL'}", flush=True)
+
   if section("correctness"):
     rows = []
-
-    def record(name, out, ref):
-      o, r = f32(out), f32(ref)
-      err = float(np.max(np.abs(o - r))) if o.size else 0.0
-      row = {"case": name, "max_abs_err": err, "nan": int(np.isnan(o).sum()), "ok": bool(err < 3e-2 and
-                                                                                         not np.isnan(o).any())}
-      rows.append(row)
-      print(f"  {name:48s} err {err:.2e} {'OK' if row['ok'] else 'FAIL'}", flush=True)
+    record = functools.partial(record, rows=rows)  # noqa: F811 - this section's rows
 
     dec_cases = [
         ("decode g4 G16 H128", dict(S=5, K=8, g=4, H=128, G=16, Pmax=40), {}),
@@ -176,22 +209,33 @@ def main():
     ]
     if args.profile == "final":
       dec_cases = [dec_cases[0], dec_cases[1], dec_cases[3]]
+    if args.profile == "r3":
+      dec_cases = [dec_cases[0], dec_cases[1],
+                   ("decode g4 G16 H128 split_policy=waves", dict(S=5, K=8, g=4, H=128, G=16, Pmax=40),
+                    dict(split_policy="waves"))]
     for name, shp, kw in dec_cases:
       q, kv, bt, lens, sc = rand_problem(**shp)
       lens = lens.at[0].set(0)
       out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp, **kw)
       kw.pop("splits", None)
+      kw.pop("split_policy", None)
       record(name, out, reference.paged_decode_attention_reference(q, kv, bt, lens, **kw))
-    for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    fp8_cases = [(jnp.float8_e4m3fn, {}, {}), (jnp.float8_e5m2, {}, {})]
+    if args.profile == "r3":
+      fp8_cases = [(jnp.float8_e4m3fn, dict(fp8_converters=0), {})]
+    for dt, kk, semantics in fp8_cases:
       q, kv, bt, lens, sc = rand_problem(S=4, K=8, g=4, H=128, G=16, Pmax=40, dtype=dt)
-      out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=impl_interp)
-      record(f"decode fp8 {jnp.dtype(dt).name}", out,
-             reference.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc))
+      out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=impl_interp, **kk, **semantics)
+      record(f"decode fp8 {jnp.dtype(dt).name} {kk} {semantics}", out,
+             reference.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc, **semantics))
     # ragged prefill / mixed
-    for name, dt, kw in (("ragged bf16 g4", jnp.bfloat16, {}), ("ragged bf16 g8 window", jnp.bfloat16,
-                                                                 dict(sliding_window=50)),
-                         ("ragged fp8 e4m3 g4", jnp.float8_e4m3fn, {})):
-      g = 8 if "g8" in name else 4
+    rag_cases = [("ragged bf16 g4", jnp.bfloat16, {}), ("ragged bf16 g8 window", jnp.bfloat16,
+                                                        dict(sliding_window=50)),
+                 ("ragged fp8 e4m3 g4", jnp.float8_e4m3fn, {})]
+    if args.profile == "r3":
+      rag_cases = [("ragged bf16 g3 window (padded rows)", jnp.bfloat16, dict(sliding_window=50)), rag_cases[2]]
+    for name, dt, kw in rag_cases:
+      g = 8 if "g8" in name else (3 if "g3" in name else 4)
       q_lens = np.array([37, 0, 1, 130, 5])
       extra = np.array([10, 0, 200, 0, 60])
       G, Pmax = 16, 24
@@ -203,14 +247,14 @@ def main():
       out = gpu.paged_attention_gpu(qT, kv, bt, lens, cu, kv_scales_PK=sc, interpret=impl_interp, **kw)
       record(name, out, reference.paged_attention_reference(qT, kv, bt, lens, cu, kv_scales_PK=sc, **kw))
     # sparse
-    for dt in (jnp.bfloat16, jnp.float8_e4m3fn):
+    for dt in ((jnp.float8_e4m3fn,) if args.profile == "r3" else (jnp.bfloat16, jnp.float8_e4m3fn)):
       q, kv, bt, lens, sc = rand_problem(S=3, K=4, g=4, H=128, G=16, Pmax=40, dtype=dt, lens=[600, 37, 400])
       kmin = jnp.asarray(rng.standard_normal((kv.shape[0], 4, 128)), jnp.float32)
       kmax = kmin + 1.0
       out, (phys, logical, count) = sparse.paged_sparse_decode_attention(
           q, kv, bt, lens, kmin, kmax, num_sink_pages=1, num_window_pages=2, top_k_pages=5, kv_scales_PK=sc,
           impl="gpu_interpret" if smoke else "gpu", return_selection=True)
-      record(f"sparse {jnp.dtype(dt).name}", out,
+      record(f"sparse {jnp.dtype(dt).name} converters={gpu.FP8_CONVERTERS}", out,
              sparse.sparse_decode_attention_reference(q, kv, bt, lens, logical, kv_scales_PK=sc))
     res["correctness"] = rows
     done("correctness")
@@ -219,7 +263,7 @@ def main():
   K, H, G = 8, 128, 16
   if smoke:
     batches, contexts, groups = (1, 2), (128, 256), (4,)
-  elif args.profile == "final":
+  elif args.profile in ("final", "r3"):
     batches, contexts, groups = (1, 8, 32, 128), (1024, 8192, 32768), (4,)
   else:
     batches, contexts, groups = (1, 8, 32, 128), (1024, 8192, 32768), (4, 8)
@@ -245,6 +289,115 @@ def main():
 
   def kv_bytes(S, L, itemsize):
     return S * L * K * 2 * H * itemsize
+
+  pool8 = None
+
+  def get_pool8():
+    """fp8 e4m3 pool of the same geometry (stored values ~ 50 x N(0, 1), clipped to the e4m3 range; scales 0.02)."""
+    nonlocal pool8
+    if pool8 is None:
+      pool8 = jax.jit(lambda s: jnp.tile(jnp.clip(s.astype(jnp.float32) * 50, -440, 440).astype(jnp.float8_e4m3fn),
+                                         (P_total // 64 + 1, 1, 1, 1))[:P_total])(small)
+    return pool8
+
+  def f8_kernel(**kw):
+    return jax.jit(lambda q, kv, bt, lens, sc: gpu.paged_decode_attention_gpu(
+        q, kv, bt, lens, kv_scales_PK=sc, interpret=impl_interp, **kw))
+
+  def bf_kernel(**kw):
+    return jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp, **kw))
+
+  fp8_best = {}  # kwargs of the fastest fp8 variant (fp8var), used by grid
+
+  if section("fp8var"):
+    rows = []
+    kv, kv8 = get_pool(), get_pool8()
+    sc = jnp.full((P_total, 2 * K), 0.02, jnp.float32)
+    if args.profile == "r3":
+      # Correctness of the warp-specialized kernel first (random small problems vs the reference).
+      ws_cases = [(jnp.float8_e4m3fn, dict(fp8_converters=1), {}),
+                  (jnp.float8_e4m3fn, dict(fp8_converters=2, split_policy="waves"), {}),
+                  (jnp.float8_e4m3fn, dict(fp8_converters=3, splits=1), dict(sliding_window=300, soft_cap=20.0)),
+                  (jnp.float8_e5m2, dict(fp8_converters=2, block_kv=128, stages=2), {})]
+      for dt, kk, semantics in ws_cases:
+        qq, kvv, btt, lns, scc = rand_problem(S=4, K=8, g=4, H=128, G=16, Pmax=40, dtype=dt)
+        out = gpu.paged_decode_attention_gpu(qq, kvv, btt, lns, kv_scales_PK=scc, interpret=impl_interp, **kk,
+                                             **semantics)
+        record(f"decode fp8 {jnp.dtype(dt).name} {kk} {semantics}", out,
+               reference.paged_decode_attention_reference(qq, kvv, btt, lns, kv_scales_PK=scc, **semantics),
+               rows=ws_rows)
+      qq, kvv, btt, lns, scc = rand_problem(S=3, K=4, g=4, H=128, G=16, Pmax=40, dtype=jnp.float8_e4m3fn,
+                                            lens=[600, 37, 400])
+      kmin = jnp.asarray(rng.standard_normal((kvv.shape[0], 4, 128)), jnp.float32)
+      gpu.FP8_CONVERTERS = 2  # sparse follows the module default
+      out, (_, logical, _) = sparse.paged_sparse_decode_attention(
+          qq, kvv, btt, lns, kmin, kmin + 1.0, num_sink_pages=1, num_window_pages=2, top_k_pages=5, kv_scales_PK=scc,
+          impl="gpu_interpret" if smoke else "gpu", return_selection=True)
+      gpu.FP8_CONVERTERS = FP8_DEFAULT
+      record("sparse float8_e4m3fn converters=2", out,
+             sparse.sparse_decode_attention_reference(qq, kvv, btt, lns, logical, kv_scales_PK=scc), rows=ws_rows)
+      res["correctness_ws"] = ws_rows
+      save()
+    S, L, g = (8, contexts[1], 4) if not smoke else (2, contexts[-1], 4)
+    q, bt, lens = decode_inputs(S, L, g)
+    bf16_ms = timeit(bf_kernel(), q, kv, bt, lens)
+    variants = [dict(fp8_converters=0), dict(fp8_converters=0, split_policy="waves"),
+                dict(fp8_converters=1, split_policy="waves"),
+                dict(fp8_converters=2, split_policy="waves"), dict(fp8_converters=2),
+                dict(fp8_converters=2, stages=6, split_policy="waves"),
+                dict(fp8_converters=3, split_policy="waves"),
+                dict(fp8_converters=2, block_kv=128, stages=2, split_policy="waves"),
+                dict(fp8_converters=1, block_kv=128, stages=2, split_policy="waves")]
+    if smoke:
+      variants = variants[:1] + [dict(fp8_converters=2, split_policy="waves")]
+    best = None
+    for kw in variants:
+      if over_time():
+        break
+      row = {"S": S, "L": L, "g": g, "variant": kw, "bf16_ms": bf16_ms}
+      try:
+        row["fp8_ms"] = timeit(f8_kernel(**kw), q, kv8, bt, lens, sc)
+        row["fp8_over_bf16"] = row["fp8_ms"] / bf16_ms
+        row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
+        if best is None or row["fp8_ms"] < best[0]:
+          best = (row["fp8_ms"], kw)
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+      rows.append(row)
+      print("  ", row, flush=True)
+      res["fp8var"] = rows
+      save()
+    if best is not None:
+      fp8_best.update(best[1])
+      res["fp8_best"] = dict(best[1])
+    done("fp8var")
+
+  if section("small"):
+    rows = []
+    kv = get_pool()
+    configs = [(8, 1024, 4), (32, 1024, 4), (64, 1024, 4), (1, 8192, 4)] if not smoke else [(2, 256, 4)]
+    variants = [dict(), dict(split_policy="waves"), dict(block_kv=64, stages=2, split_policy="waves"),
+                dict(block_kv=64, stages=3, split_policy="waves"), dict(block_kv=64, stages=4)]
+    if smoke:
+      variants = variants[:2]
+    for S, L, g in configs:
+      q, bt, lens = decode_inputs(S, L, g)
+      for kw in variants:
+        if over_time():
+          break
+        row = {"S": S, "L": L, "g": g, "variant": kw}
+        try:
+          row["ms"] = timeit(bf_kernel(**kw), q, kv, bt, lens)
+          row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
+          if ceiling:
+            row["pct_ceiling"] = 100 * row["TBps"] / ceiling
+        except Exception as e:  # noqa: BLE001
+          row["error"] = repr(e)[:300]
+        rows.append(row)
+        print("  ", row, flush=True)
+        res["small"] = rows
+        save()
+    done("small")
 
   if section("decode"):
     rows = []
@@ -365,6 +518,8 @@ def main():
       configs = [(S, L, g) for g in groups for L in contexts for S in batches]
       if args.profile == "final":
         configs = [(S, 8192, 4) for S in batches]
+      elif args.profile == "r3":
+        configs = [(S, 8192, 4) for S in (8, 32, 128)]
       for S, L, g in configs:
         if over_time():
           break
@@ -436,6 +591,37 @@ def main():
         row["ms"] = timeit(fk, qT, kvp, bt, lens, cu)
         flops = 4 * S * (ql * (ql + 1) / 2) * K * g * H
         row["TFLOPs"] = flops / (row["ms"] * 1e-3) / 1e12
+        if S * ql * K * g * ql <= 2**30:  # the reference materializes f32 logits [T, N, L]
+          row["ref_ms"] = timeit(fr, qT, kvp, bt, lens, cu, iters=2)
+          row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
+          row["max_err_vs_ref"] = float(np.max(np.abs(f32(fk(qT, kvp, bt, lens, cu)) -
+                                                      f32(fr(qT, kvp, bt, lens, cu)))))
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+      rows.append(row)
+      print("  ", row, flush=True)
+      res["prefill"] = rows
+      save()
+    # Mixed batch: a few prefill chunks next to many decode rows (what a continuous-batching step looks like).
+    if not over_time():
+      n_pre, n_dec = (4, 60) if not smoke else (1, 3)
+      ql, ctx = (512, 2048) if not smoke else (32, 64)
+      q_lens = np.array([ql] * n_pre + [1] * n_dec)
+      kv_lens = np.array([ql + ctx] * n_pre + [ctx] * n_dec)
+      S = n_pre + n_dec
+      Pmax = int(kv_lens.max()) // G + 1
+      P = S * Pmax + 4
+      kvp = jnp.asarray(rng.standard_normal((P, G, 2 * K, H)), jnp.bfloat16)
+      bt = jnp.asarray(rng.permutation(P)[: S * Pmax].reshape(S, Pmax), jnp.int32)
+      lens = jnp.asarray(kv_lens, jnp.int32)
+      cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+      g = 4
+      qT = jnp.asarray(rng.standard_normal((int(cu[-1]), K * g, H)), jnp.bfloat16)
+      fk = jax.jit(lambda *a: gpu.paged_attention_gpu(*a, interpret=impl_interp))
+      fr = jax.jit(lambda *a: reference.paged_attention_reference(*a))
+      row = {"mixed": f"{n_pre} x prefill {ql} (+{ctx} cached) + {n_dec} x decode at {ctx}", "g": g}
+      try:
+        row["ms"] = timeit(fk, qT, kvp, bt, lens, cu)
         row["ref_ms"] = timeit(fr, qT, kvp, bt, lens, cu, iters=2)
         row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
         row["max_err_vs_ref"] = float(np.max(np.abs(f32(fk(qT, kvp, bt, lens, cu)) - f32(fr(qT, kvp, bt, lens, cu)))))
@@ -446,6 +632,49 @@ def main():
       res["prefill"] = rows
       save()
     done("prefill")
+
+  # ---------------------------------------------------------------- grid: bf16 and fp8 over batch x context
+  if section("grid"):
+    rows = []
+    kv, kv8 = get_pool(), get_pool8()
+    sc = jnp.full((P_total, 2 * K), 0.01, jnp.float32)
+    fb, f8 = bf_kernel(), f8_kernel(**fp8_best)
+    sc = jnp.full((P_total, 2 * K), 0.02, jnp.float32)
+    fr = jax.jit(lambda q, kv, bt, lens: reference.paged_decode_attention_reference(q, kv, bt, lens))
+    fr8 = jax.jit(lambda q, kv, bt, lens, sc: reference.paged_decode_attention_reference(q, kv, bt, lens,
+                                                                                         kv_scales_PK=sc))
+    for g in groups:
+      for L in contexts:
+        for S in batches:
+          if over_time():
+            break
+          q, bt, lens = decode_inputs(S, L, g)
+          row = {"S": S, "L": L, "g": g, "fp8_variant": dict(fp8_best)}
+          try:
+            row["ms"] = timeit(fb, q, kv, bt, lens)
+            row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
+            if ceiling:
+              row["pct_ceiling"] = 100 * row["TBps"] / ceiling
+            row["fp8_ms"] = timeit(f8, q, kv8, bt, lens, sc)
+            row["fp8_over_bf16"] = row["fp8_ms"] / row["ms"]
+            row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
+          except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:300]
+          if S * L <= 256 * 1024 and "ms" in row:
+            try:
+              row["ref_ms"] = timeit(fr, q, kv, bt, lens, iters=3)
+              row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
+              row["max_err_vs_ref"] = float(np.max(np.abs(f32(fb(q, kv, bt, lens)) - f32(fr(q, kv, bt, lens)))))
+              if "fp8_ms" in row:
+                row["fp8_max_err_vs_ref"] = float(np.max(np.abs(f32(f8(q, kv8, bt, lens, sc)) -
+                                                                f32(fr8(q, kv8, bt, lens, sc)))))
+            except Exception as e:  # noqa: BLE001
+              row["ref_error"] = repr(e)[:300]
+          rows.append(row)
+          print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+          res["grid"] = rows
+          save()
+    done("grid")
 
   res["elapsed_s"] = time.time() - t_start
   save()
@@ -472,6 +701,12 @@ def print_table(res):
     print("sparse", r)
   for r in res.get("prefill", []):
     print("prefill", r)
+  for r in res.get("fp8var", []):
+    print("fp8var", r)
+  for r in res.get("small", []):
+    print("small", r)
+  for r in res.get("grid", []):
+    print("grid", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
 
 
 if __name__ == "__main__":

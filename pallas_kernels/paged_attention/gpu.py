@@ -9,7 +9,8 @@ contexts over programs whose partial (o, m, l) are combined afterwards (one XLA 
 Design notes
 - One program = (kv split, kv head k, sequence s) for decode; (query tile, kv head k) for ragged prefill.
 - Rows: the 64 wgmma rows are a window of query heads [r0, r0+64) that contains the g heads of kv head k
-  (decode), or 64/g query tokens x g heads (prefill, with q gathered tile-major to [tiles, K, 64, H]). Extra rows are
+  (decode), or floor(64/g) query tokens x g heads (prefill, with q gathered tile-major to [tiles, K, 64, H];
+  a group that does not divide 64, e.g. SmolLM2's 3, leaves zero rows at the end of the tile). Extra rows are
   computed and thrown away: the tensor cores have >10x headroom in decode.
 - A step covers BK kv tokens: ppb whole pages (G <= BK) or a 1/spp slice of one page (G > BK). K and V of
   one page arrive by two TMAs each ([G, H] boxes of the interleaved pool) on the slot's barrier.
@@ -75,6 +76,7 @@ class KernelConfig:
   out_dtype: str
   p_via_smem: bool = False  # probabilities reach the PV wgmma through smem (required by the interpreter)
   NT: int = 0  # ragged: number of query tiles
+  converters: int = 0  # fp8 decode: > 0 runs the warp-specialized kernel (gpu_fp8.py) with this many converter WGs
 
   @property
   def R(self):  # q rows loaded per program (decode)
@@ -119,6 +121,8 @@ def ring_scratch(cfg):
 
 
 SMEM_LIMIT = 220 * 1024
+FP8_CONVERTERS = 0  # default converter warpgroups for fp8 decode (0: inline conversion)
+SPLIT_POLICY = "sms2"  # default split-K policy (choose_splits)
 
 
 def smem_bytes(BK, H, stages, fp8, p_via_smem=False):
@@ -390,6 +394,10 @@ def _kernel(cfg: KernelConfig, *refs):
 def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, interpret=False):
   """Runs the kernel. Decode returns [S, N, H] (splits == 1) or partials (o [Sp, S, N, H], m, l [Sp, S, K, 64]);
   ragged (q = [NT, K, 64, H] tile-major, extra = (tile_info,)) returns per-tile outputs [NT, K, 64, H]."""
+  if cfg.converters:
+    from . import gpu_fp8  # local import: gpu_fp8 imports this module
+    return gpu_fp8.kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, scales, converters=cfg.converters,
+                                  interpret=interpret)
   H = cfg.H
   cdt = cfg.compute_dtype
   arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
@@ -455,21 +463,29 @@ def combine_splits(o_part, m_part, l_part, K, g):
 
 
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
-                sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0):
+                sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
+                fp8_converters=None, split_policy=None):
   S, N, H = q_shape
   P, G, K2, _ = pool_shape
   K = K2 // 2
   g = N // K
   fp8 = common.is_fp8(pool_dtype)
   check_supported(N, K, G, H, out_dtype, pool_dtype)
-  BK, st = choose_block(G, H, fp8)
+  fp8_converters = FP8_CONVERTERS if fp8_converters is None else fp8_converters
+  split_policy = SPLIT_POLICY if split_policy is None else split_policy
+  converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
+  if converters:
+    from . import gpu_fp8  # local import: gpu_fp8 imports this module
+    BK, st = gpu_fp8.choose_block_ws(G, H, converters)
+  else:
+    BK, st = choose_block(G, H, fp8)
   BK = block_kv or BK
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
     raise Unsupported(f"block_kv={BK} must be a multiple of 64 that divides or is divided by page size {G}")
-  if smem_bytes(BK, H, stages, fp8) > SMEM_LIMIT:
-    raise Unsupported(f"block_kv={BK} x stages={stages} needs ~{smem_bytes(BK, H, stages, fp8)} bytes of shared "
-                      f"memory (limit {SMEM_LIMIT})")
+  need = gpu_fp8.smem_bytes_ws(BK, H, stages, converters) if converters else smem_bytes(BK, H, stages, fp8)
+  if need > SMEM_LIMIT:
+    raise Unsupported(f"block_kv={BK} x stages={stages} needs ~{need} bytes of shared memory (limit {SMEM_LIMIT})")
   N_pad = N + (-N % 8)
   if sparse:
     n_blocks = table_cols * G // BK if G > BK else common.cdiv(table_cols, BK // G)
@@ -482,19 +498,42 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   if ragged_tiles:
     splits = 1
   elif splits is None:
-    splits = max(1, min(common.cdiv(2 * _num_sms(), S * K), n_blocks))
+    splits = choose_splits(S * K, n_blocks, split_policy, need)
   steps = common.cdiv(n_blocks, splits)
   splits = common.cdiv(n_blocks, steps)
   if ragged_tiles:
-    if ROWS % g:
-      raise Unsupported(f"ragged kernel needs the GQA group {g} to divide {ROWS}")
     N_pad = N
   return KernelConfig(ragged=bool(ragged_tiles), NT=ragged_tiles, S=S, N=N_pad, K=K, g=g, G=G, H=H, P=P, Pmax=table_cols, BK=BK, stages=stages,
                       splits=splits, steps_per_split=steps, sparse=sparse,
                       fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
                       soft_cap=None if soft_cap is None else float(soft_cap),
                       window=None if sliding_window is None else int(sliding_window), out_dtype=out_dtype,
-                      p_via_smem=p_via_smem)
+                      p_via_smem=p_via_smem, converters=converters)
+
+
+def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
+  """Split-K programs per (sequence, kv head).
+
+  "sms2": enough programs for two per SM (the original heuristic). "waves": the split count minimizing
+  waves x steps per program, where a wave is num_sms x CTAs per SM (from the shared memory estimate), so the
+  last wave is not a sliver (e.g. batch 8 x 8 kv heads on 132 SMs: 2 splits = 128 programs = one wave, where
+  "sms2" picked 5 = 320 programs = 2.4 waves of one CTA per SM).
+  """
+  sms = _num_sms()
+  if policy == "sms2":
+    return max(1, min(common.cdiv(2 * sms, work), n_blocks))
+  if policy != "waves":
+    raise ValueError(f"split_policy must be 'sms2' or 'waves', got {policy!r}")
+  slots = sms * max(1, min(8, (228 * 1024) // (smem + 1024)))
+  best, best_cost = 1, None
+  for sp in range(1, n_blocks + 1):
+    steps = common.cdiv(n_blocks, sp)
+    if common.cdiv(n_blocks, steps) != sp:  # same steps as a smaller count: not a distinct choice
+      continue
+    cost = common.cdiv(work * sp, slots) * (steps + 2)  # +2: per-program prologue/epilogue, in steps
+    if best_cost is None or cost < best_cost:
+      best, best_cost = sp, cost
+  return best
 
 
 def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK, interpret):
@@ -513,17 +552,22 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
-                                             "interpret"))
+                                             "interpret", "fp8_converters", "split_policy"))
 def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                                sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
-                               interpret=False):
-  """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run."""
+                               interpret=False, fp8_converters=None, split_policy=None):
+  """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
+
+  fp8_converters: fp8 pools only; 0 = conversion inline in the one warpgroup, > 0 = warp-specialized kernel
+  (gpu_fp8.py) with that many converter warpgroups; None = FP8_CONVERTERS. split_policy: see choose_splits;
+  None = SPLIT_POLICY.
+  """
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
   cfg = make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
-                           p_via_smem=interpret)
+                           p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 
@@ -560,9 +604,8 @@ def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
   T = q_TNH.shape[0]
-  if ROWS % g:
-    raise Unsupported(f"ragged kernel needs the GQA group {g} to divide {ROWS}")
-  tq = ROWS // g
+  tq = ROWS // g  # tokens per tile; a group that does not divide 64 leaves 64 - tq * g zero rows (discarded)
+  used = tq * g
   info, tile_start, NT = ragged_tile_info(cu_q_lens_S1, kv_lens_S, T, tq)
   cfg = make_config((S, N, H), kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                     scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
@@ -573,7 +616,9 @@ def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   tok_ok = jnp.arange(tq)[None, :] < info[:, 2:3]
   q = q_TNH.astype(cfg.compute_dtype)[jnp.clip(tok, 0, T - 1)]  # [NT, tq, N, H]
   q = jnp.where(tok_ok[:, :, None, None], q, 0).reshape(NT, tq, K, g, H).transpose(0, 2, 1, 3, 4)
-  q = q.reshape(NT, K, ROWS, H)
+  q = q.reshape(NT, K, used, H)
+  if used != ROWS:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - used), (0, 0)))
   o_tiles = kernel_call(cfg, q, kv_pages_PGKH, block_tables_SP, kv_lens_S, (info,), kv_scales_PK,
                         interpret=interpret)  # [NT, K, 64, H]
   from .reference import query_positions  # local import: reference is jnp-only, no cycle at module load
@@ -581,6 +626,6 @@ def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   t = jnp.arange(T, dtype=jnp.int32)
   within = t - cu_q_lens_S1[seg_T]
   tile_T = jnp.clip(tile_start[seg_T] + within // tq, 0, NT - 1)
-  o = o_tiles.reshape(NT, K, tq, g, H)[tile_T, :, within % tq]  # [T, K, g, H]
+  o = o_tiles[:, :, :used].reshape(NT, K, tq, g, H)[tile_T, :, within % tq]  # [T, K, g, H]
   o = jnp.where(valid_T[:, None, None, None], o, 0)
   return o.reshape(T, N, H).astype(q_TNH.dtype)

@@ -1,0 +1,313 @@
+"""Warp-specialized Mosaic GPU decode kernel for fp8 (e4m3 / e5m2) KV pools.
+
+Why it exists: Hopper's wgmma has no fp8 x f16 form and fp8 wgmma needs both operands K-major (V is not), so
+fp8 pages must be widened to f16 in shared memory before the matmuls. In the one-warpgroup kernel (gpu.py)
+that conversion sat on the critical path of every step and fp8 pools ran 1.4x SLOWER than bf16 (H200,
+benchmarks/RESULTS.md). Here the work of one program is split over warpgroups:
+
+- C converter warpgroups (wg 1..C): each owns the steps i with i % C == wg - 1. For its step it issues the
+  TMAs of the block's fp8 K/V pages into its slots of the fp8 ring, waits for them, widens them to f16
+  (`astype`: the hardware cvt.f16x2.e4m3x2 / e5m2x2, exact) into an f16 staging slot, and signals `ready`.
+- One compute warpgroup (wg 0): per step waits `ready`, runs QK^T wgmma, the online softmax (fp8 scales on
+  the logits / probabilities as in gpu.py), the PV wgmma, and signals `free` so the staging slot can be
+  refilled.
+
+So the conversion of step i+1.. overlaps the matmuls and softmax of step i, and C warpgroups share the
+conversion work. Semantics, masking, split-K partials and the output layout are exactly gpu.py's (the same
+KernelConfig, combine and wrappers), so gpu.py routes fp8 decode here when `fp8_impl="ws"`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import common
+from .gpu import LOG2E, M_INIT, ROWS, SENTINEL_PAGE, _tiles
+
+DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
+
+def staging_slots(converters):
+  """f16 staging slots (K and V each): at least 2 (conversion of one step overlaps the matmuls of the
+  previous), and one per converter (converter j always fills slot j)."""
+  return max(2, converters)
+
+
+def smem_bytes_ws(BK, H, stages, converters):
+  """Estimate: q tile + fp8 ring + union(f16 staging, output staging) + barriers."""
+  staging = staging_slots(converters) * 2 * BK * H * 2
+  out = ROWS * H * 4 + 2 * ROWS * 4
+  return ROWS * H * 2 + stages * 2 * BK * H + max(staging, out) + 1024
+
+
+def check_ws(cfg, converters):
+  if not cfg.fp8 or cfg.ragged:
+    raise common.Unsupported("the warp-specialized kernel is for fp8 decode only")
+  if cfg.stages % converters or staging_slots(converters) % converters:
+    raise common.Unsupported(f"stages={cfg.stages} must be a multiple of converters={converters}")
+
+
+def _kernel_ws(cfg, C, *refs):
+  it = iter(refs)
+  q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
+  nsel_ref = next(it) if cfg.sparse else None
+  lp_ref = next(it) if cfg.sparse else None
+  sc_ref = next(it)
+  o_ref = next(it)
+  m_ref = None if cfg.final else next(it)
+  l_ref = None if cfg.final else next(it)
+  q_smem, kq_smem, vq_smem, union, tma_bars, ready_bars, free_bars, q_bar = (next(it) for _ in range(8))
+  p_smem = next(it) if cfg.p_via_smem else None
+  (k16, v16), (o_smem, ml_smem) = union
+
+  G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
+  cdt = jnp.dtype(jnp.float16)
+  F = staging_slots(C)
+  wg = lax.axis_index("wg")
+  k = lax.axis_index("kvh")
+  s = lax.axis_index("seq")
+  sp = lax.axis_index("split")
+  kv_len = lens_ref[s]
+
+  if cfg.sparse:
+    nsel = nsel_ref[s, k]
+    last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
+    first = 0
+  else:
+    last = (kv_len + BK - 1) // BK
+    first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
+  b_lo = first + sp * cfg.steps_per_split
+  b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
+  n_steps = jnp.maximum(b_hi - b_lo, 0)
+
+  def page_of(idx):
+    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
+    return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
+
+  def logical_page(idx):
+    if cfg.sparse:
+      return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
+    return idx
+
+  def block_pages(b):
+    return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
+
+  def issue(b, slot, pages):
+    if spp == 1:
+      for j, pg in enumerate(pages):
+        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kq_smem.at[slot, pl.ds(j * G, G)], tma_bars.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vq_smem.at[slot, pl.ds(j * G, G)], tma_bars.at[slot])
+    else:
+      pg, off = pages[0], (b % spp) * BK
+      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kq_smem.at[slot], tma_bars.at[slot])
+      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vq_smem.at[slot], tma_bars.at[slot])
+
+  # ------------------------------------------------------------------ converters
+  @pl.when(wg > 0)
+  def _converter():
+    if C >= 3:  # 4 warpgroups share 64K registers: give the compute warpgroup room for acc + logits
+      plgpu.set_max_registers(96, action="decrease")
+    j = wg - 1
+    # Prologue: this converter's first stages // C steps.
+    for t in range(cfg.stages // C):
+      i = j + t * C
+
+      @pl.when(i < n_steps)
+      def _():
+        issue(b_lo + i, lax.rem(i, cfg.stages), block_pages(b_lo + i))
+
+    n_mine = jnp.maximum(n_steps - j + C - 1, 0) // C
+
+    def body(t, _):
+      i = j + t * C
+      b = b_lo + i
+      slot = lax.rem(i, cfg.stages)
+      fslot = lax.rem(i, F)
+      next_pages = block_pages(b + cfg.stages)
+      plgpu.barrier_wait(tma_bars.at[slot])
+
+      @pl.when(i >= F)
+      def _():
+        plgpu.barrier_wait(free_bars.at[fslot])
+
+      k16.at[fslot][...] = kq_smem[slot].astype(cdt)
+      v16.at[fslot][...] = vq_smem[slot].astype(cdt)
+      plgpu.commit_smem()  # fence + warpgroup barrier: the f16 tiles are visible to wgmma, the fp8 slot is read
+      plgpu.barrier_arrive(ready_bars.at[fslot])
+
+      @pl.when(i + cfg.stages < n_steps)
+      def _():
+        issue(b + cfg.stages, slot, next_pages)
+      return ()
+
+    lax.fori_loop(0, n_mine, body, ())
+
+    # Observe the last `free` of each staging slot this converter filled (the interpreter requires every phase
+    # of a barrier a thread waits on to be observed; on hardware it also keeps the staging tiles, which the
+    # output staging aliases, untouched until the compute warpgroup is done with them).
+    for f in range(F):
+      @pl.when((f % C == j) & (f < n_steps))
+      def _():
+        plgpu.barrier_wait(free_bars.at[f])
+
+  # ------------------------------------------------------------------ compute
+  @pl.when(wg == 0)
+  def _compute():
+    if C >= 3:
+      plgpu.set_max_registers(200, action="increase")
+    if cfg.N > ROWS:
+      r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS)
+      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
+    else:
+      r0 = 0
+      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+    local = k * g - r0
+    plgpu.barrier_wait(q_bar)
+    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
+
+    def per_page_vector(values):
+      if len(values) == 1:
+        return values[0]
+      page_col = col // G
+      res = values[-1]
+      for jj in range(len(values) - 2, -1, -1):
+        res = jnp.where(page_col == jj, values[jj], res)
+      return res
+
+    def body(i, carry):
+      acc, m_i, l_i = carry
+      b = b_lo + i
+      fslot = lax.rem(i, F)
+      cur_pages = block_pages(b)
+      k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
+      v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
+      plgpu.barrier_wait(ready_bars.at[fslot])
+
+      def qk_fn(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k16.at[fslot].transpose((1, 0)))
+        return acc_ref[...]
+      logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
+
+      if spp == 1:
+        idxs = [b * ppb + jj for jj in range(ppb)]
+        if cfg.sparse:
+          pos = per_page_vector([logical_page(x) * G for x in idxs]) + col % G
+        else:
+          pos = b * BK + col
+        ksc, vsc = per_page_vector(k_scales), per_page_vector(v_scales)
+      else:
+        if cfg.sparse:
+          pos = logical_page(b // spp) * G + (b % spp) * BK + col
+        else:
+          pos = b * BK + col
+        ksc, vsc = k_scales[0], v_scales[0]
+
+      logits = logits * cfg.scale * ksc
+      if cfg.soft_cap is not None:
+        logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
+      valid = pos < kv_len
+      if cfg.window is not None:
+        valid = valid & (pos > kv_len - 1 - cfg.window)
+      logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
+
+      m_new = jnp.maximum(m_i, logits.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = (p * vsc).astype(cdt)
+      if p_smem is not None:  # the interpreter needs the wgmma A operand in shared memory
+        p_smem[...] = p16
+        plgpu.commit_smem()
+        p16 = p_smem
+
+      def pv_fn(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v16.at[fslot])
+        return acc_ref[...]
+      acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, cfg.H), jnp.float32))
+      plgpu.barrier_arrive(free_bars.at[fslot])
+      return acc, m_new, l_i
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+
+    # Output staging aliases the f16 staging tiles: every conversion was consumed above (the loop waited each
+    # `ready`), so no converter writes them any more.
+    if cfg.final:
+      inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+      o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+    else:
+      o_smem[...] = acc
+      ml_smem[0] = m_i
+      ml_smem[1] = l_i
+    plgpu.commit_smem()
+    if cfg.final:
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
+    else:
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[sp, s, pl.ds(k * g, g)])
+      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[sp, s, k])
+      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[sp, s, k])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, converters=2, interpret=False):
+  """Same contract as gpu.kernel_call for fp8 decode configs (dense or sparse)."""
+  check_ws(cfg, converters)
+  STAGING = staging_slots(converters)
+  H, BK, S, N, K = cfg.H, cfg.BK, cfg.S, cfg.N, cfg.K
+  cdt = jnp.dtype(jnp.float16)
+  pool_dt = jnp.dtype(cfg.fp8)
+  out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.dtype(jnp.float32)
+  ring = (cfg.stages, BK, H)
+  arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
+  scratch = [
+      plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt)),
+      plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+      plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+      plgpu.RefUnion(
+          (plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt)),
+           plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt))),
+          (plgpu.SMEM((ROWS, H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32)),
+      ),
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages),
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGING),
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGING),
+      plgpu.Barrier(num_arrivals=1),
+  ]
+  if cfg.p_via_smem:
+    scratch.append(plgpu.SMEM((ROWS, BK), cdt, transforms=_tiles(cdt)))
+  grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")
+  if cfg.final:
+    out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
+  else:
+    out_type = [jax.ShapeDtypeStruct((cfg.splits, S, N, H), jnp.float32),
+                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32)]
+  call = plgpu.kernel(
+      functools.partial(_kernel_ws, cfg, converters),
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=grid,
+      grid_names=names,
+      num_threads=1 + converters,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=(plgpu.InterpretGPUParams(detect_races=DETECT_RACES) if DETECT_RACES else plgpu.InterpretGPUParams()) if interpret else None,
+  )
+  res = call(q, kv_pages_PGKH, bt, kv_lens_S, *extra, scales)
+  return res[0] if cfg.final else res
+
+
+def choose_block_ws(G, H, converters):
+  """(BK, stages) defaults for the warp-specialized kernel: 64-token steps, 2 fp8 slots per converter."""
+  BK = 64 if G <= 64 else min(G, 128)
+  stages = 2 * converters
+  while stages > converters and smem_bytes_ws(BK, H, stages, converters) > 220 * 1024:
+    stages -= converters
+  return BK, stages

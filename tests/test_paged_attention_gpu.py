@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as pa
-from pallas_kernels.paged_attention import common, gpu, sparse
+from pallas_kernels.paged_attention import common, gpu, gpu_fp8, sparse
 from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_ragged
 
 TOL = 2e-2  # bf16 probabilities in the PV matmul and a bf16 output
@@ -46,9 +46,50 @@ def test_gpu_decode_fp8_matches_fp8_aware_reference(dtype, G):
   assert max_err(out, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("converters,dtype,G,kw", [
+    # one converter (2 staging slots it alternates), forced split-K
+    (1, jnp.float8_e4m3fn, 16, dict(splits=2)),
+    # two converters, wave-aware split policy, window + soft cap
+    (2, jnp.float8_e4m3fn, 16, dict(split_policy="waves", sliding_window=150, soft_cap=5.0)),
+    # three converters (register rebalancing), e5m2, pages of 32 (two pages per 64-token step), single split
+    (3, jnp.float8_e5m2, 32, dict(splits=1)),
+])
+def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(monkeypatch, converters, dtype, G, kw):
+  """The converter/compute warpgroup kernel (gpu_fp8.py), run with the interpreter's race detector on."""
+  monkeypatch.setattr(gpu_fp8, "DETECT_RACES", True)
+  rng, seed = fresh_rng()
+  q, kv, bt, lens, sc = random_decode(rng, S=3, K=2, g=4, H=64, G=G, Pmax=max(2, 320 // G), dtype=dtype)
+  out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=converters,
+                                       **kw)
+  kw.pop("splits", None)
+  kw.pop("split_policy", None)
+  ref = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc, **kw)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+
+
+def test_gpu_fp8_warp_specialized_refuses_bad_stage_count():
+  rng, _ = fresh_rng()
+  q, kv, bt, lens, sc = random_decode(rng, S=2, K=2, g=2, H=64, G=16, Pmax=8, dtype=jnp.float8_e4m3fn)
+  with pytest.raises(common.Unsupported, match="multiple of converters"):
+    gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=2, stages=3)
+
+
+def test_wave_split_policy_fills_whole_waves():
+  """132 SMs, one CTA each: 64 (seq, kv head) pairs x 128 blocks -> 2 splits (one wave of 128 programs);
+  the older policy picks 5 (320 programs = 2.4 waves)."""
+  smem = 150 * 1024
+  assert gpu.choose_splits(64, 128, "waves", smem) == 2
+  assert gpu.choose_splits(64, 128, "sms2", smem) == 5
+  assert gpu.choose_splits(1024, 8, "waves", smem) == 1  # more work than slots: no split
+  with pytest.raises(ValueError, match="split_policy"):
+    gpu.choose_splits(8, 8, "bogus", smem)
+
+
 @pytest.mark.parametrize("dtype,g,kw", [
     (jnp.bfloat16, 4, dict(sliding_window=23)),
     (jnp.float8_e4m3fn, 8, dict(soft_cap=4.0)),
+    # SmolLM2's group of 3: 21 tokens x 3 heads = 63 rows of a 64-row tile (one zero row)
+    (jnp.bfloat16, 3, {}),
 ])
 def test_gpu_ragged_matches_reference(dtype, g, kw):
   rng, seed = fresh_rng()
@@ -59,7 +100,9 @@ def test_gpu_ragged_matches_reference(dtype, g, kw):
   assert max_err(out, ref) < TOL, f"seed {seed}"
 
 
-def test_gpu_sparse_decode_matches_reference_on_its_selection():
+@pytest.mark.parametrize("converters", [0, 2])
+def test_gpu_sparse_decode_matches_reference_on_its_selection(monkeypatch, converters):
+  monkeypatch.setattr(gpu, "FP8_CONVERTERS", converters)  # sparse follows the module default
   rng, seed = fresh_rng()
   q, kv, bt, lens, sc = random_decode(rng, S=2, K=2, g=4, H=64, G=16, Pmax=14, dtype=jnp.float8_e4m3fn,
                                       lens=[220, 100])
@@ -90,6 +133,11 @@ def test_gpu_kernels_lower_for_cuda(dtype):
     txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc,
                                                                            splits=splits), q, kv, bt, lens).as_text()
     assert "mosaic_gpu" in txt
+  if dtype != jnp.bfloat16:  # the warp-specialized fp8 kernel (1-3 converter warpgroups)
+    for conv, splits in ((1, 8), (2, 1), (3, 8)):
+      txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(
+          q, kv, bt, lens, kv_scales_PK=sc, splits=splits, fp8_converters=conv), q, kv, bt, lens).as_text()
+      assert "mosaic_gpu" in txt
   qT, cu = sd((300, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)
   _lower_cuda(lambda *a: gpu.paged_attention_gpu(*a, kv_scales_PK=sc, sliding_window=512), qT, kv, bt, lens, cu)
   B = 20

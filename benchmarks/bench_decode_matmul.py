@@ -199,7 +199,7 @@ def main():
         return f
 
     from concurrent.futures import ThreadPoolExecutor
-    pool = ThreadPoolExecutor(8)
+    pool = ThreadPoolExecutor(min(14, os.cpu_count() or 8))
 
     def precompile(jobs):
         """[(jitted fn, args[, compiler options])] -> [compiled or exception]: lower here, compile on
@@ -262,18 +262,20 @@ def main():
     if "variants" in sections:
         import dataclasses as dc
         R = dc.replace
-        fp8_vars = [("auto", lambda b: b), ("fold-bf16", lambda b: R(b, fp8_via="bf16")),
-                    ("f16", lambda b: R(b, fp8_via="f16")),
-                    ("f16-rows128", lambda b: R(b, fp8_via="f16", deq_rows=128)),
-                    ("f16-cta2", lambda b: R(b, fp8_via="f16", ctas_per_sm=2)),
-                    ("f16-cta2-rows128", lambda b: R(b, fp8_via="f16", ctas_per_sm=2, deq_rows=128)),
-                    ("f16-d256", lambda b: R(b, fp8_via="f16", tile_d=256))]
-        bf16_vars = [("auto", lambda b: b), ("f256", lambda b: R(b, tile_d=128, tile_f=256)),
-                     ("f256-d64", lambda b: R(b, tile_d=64, tile_f=256)), ("cta2", lambda b: R(b, ctas_per_sm=2))]
+        # run 1 (git 2ffd1d1) compared f16 / rows128 / cta2 / d256 / f64-cta2 / ws2 variants against
+        # the bf16-folding fp8 path and tile choices for bf16; these are the follow-ups
+        fp8_vars = [("auto", lambda b: b), ("8bit", lambda b: R(b, deq_layout="8bit")),
+                    ("8bit-rows64", lambda b: R(b, deq_layout="8bit", deq_rows=64)),
+                    ("8bit-ws2-f256", lambda b: R(b, deq_layout="8bit", tile_f=256, n_wg=2, smem_budget=224 * 1024)),
+                    ("8bit-d256", lambda b: R(b, deq_layout="8bit", tile_d=256, deq_rows=128)),
+                    ("fold-bf16", lambda b: R(b, fp8_via="bf16", deq_rows=64))]
+        bf16_vars = [("auto", lambda b: b), ("f128-d128", lambda b: R(b, tile_d=128, tile_f=128)),
+                     ("f64-d256", lambda b: R(b, tile_d=256, tile_f=64)),
+                     ("f64-d128", lambda b: R(b, tile_d=128, tile_f=64))]
         var_env = os.environ.get("VARIANT_SHAPES")
         specs = ([("llama8b.o", 4096, 4096, True, (8, 64)), ("llama8b.gate_up", 4096, 28672, True, (8, 64)),
-                  ("llama8b.qkv", 4096, 6144, False, (32, 64)), ("llama8b.o", 4096, 4096, False, (32, 64)),
-                  ("dsv3.expert_down", 2048, 7168, False, (32, 64))]
+                  ("llama8b.qkv", 4096, 6144, False, (32, 64)), ("llama8b.gate_up", 4096, 28672, False, (64,)),
+                  ("dsv3.expert_down", 2048, 7168, False, (64,))]
                  if not dry else [("tiny", 256, 512, True, (8,)), ("tiny", 256, 512, False, (8,))])
         if var_env:
             specs = [sp for sp in specs if f"{sp[0]}:{'fp8' if sp[3] else 'bf16'}" in var_env.split(",")]

@@ -102,14 +102,22 @@ KERNEL_CASES = [
     (9, 256, 512, "bf16", gpu.TileConfig(128, 256), 3),     # tile_f 256
     (5, 512, 256, "fp8", None, 5),
     (33, 256, 384, "channel", gpu.TileConfig(128, 128), 5),
-    (6, 512, 384, "block", gpu.TileConfig(256, 128), 4),    # two scale blocks per step
-    (17, 512, 256, "block", gpu.TileConfig(128, 64), 6),    # two F tiles per scale block
+    (6, 512, 384, "block", gpu.TileConfig(256, 128, fp8_via="bf16"), 4),    # two scale blocks per step
+    (17, 512, 256, "block", gpu.TileConfig(128, 64, fp8_via="bf16"), 6),    # two F tiles per scale block
     # fp8 through f16 (exact e4m3 -> f16, block scales applied to per-block float32 products)
     (5, 512, 256, "fp8", F16, 5),
     (33, 256, 384, "channel", F16, 5),
     (6, 512, 384, "block", gpu.TileConfig(256, 128, fp8_via="f16"), 4),   # two scale blocks per step
-    (17, 512, 256, "block", gpu.TileConfig(128, 64, fp8_via="f16", deq_rows=128), 6),
+    (17, 512, 256, "block", gpu.TileConfig(128, 64, fp8_via="f16", deq_rows=64), 6),
     (64, 384, 256, "block", F16, 7),
+    (12, 512, 256, "block", gpu.TileConfig(128, 128, fp8_via="f16", deq_layout="8bit"), 5),
+    (8, 512, 384, "block", gpu.TileConfig(128, 128, fp8_via="bf16"), 5),   # the bf16-folding path
+    # warp-specialized kernel (gpu_ws.py): a TMA producer warpgroup + 2 compute warpgroups
+    (5, 256, 512, "bf16", gpu.TileConfig(128, 128, n_wg=2), 3),
+    (21, 512, 512, "bf16", gpu.TileConfig(64, 256, n_wg=2), 5),
+    (9, 512, 512, "block", gpu.TileConfig(128, 256, fp8_via="f16", n_wg=2), 3),
+    (40, 512, 384, "block", gpu.TileConfig(128, 128, fp8_via="f16", n_wg=2), 7),
+    (3, 256, 512, "channel", gpu.TileConfig(128, 256, fp8_via="f16", n_wg=2), 2),
 ]
 
 
@@ -121,8 +129,9 @@ def test_kernel_matches_reference(t, d, f, kind, cfg, nsm):
     assert c is not None, plan
     y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=cfg, num_sms=nsm, interpret=True)
     assert y.shape == (t, f) and y.dtype == jnp.bfloat16
-    # fp8_via="bf16" folds block scales into bf16 weights: ~2^-9 relative per weight; "f16" is exact
-    folded = kind == "block" and (cfg is None or cfg.fp8_via == "bf16")
+    # fp8_via="bf16" folds block scales into bf16 weights: ~2^-9 relative per weight; "f16" (the
+    # default auto_config picks) is exact
+    folded = kind == "block" and cfg is not None and cfg.fp8_via == "bf16"
     assert_close(y, reference.decode_matmul_reference(x, w, w_scale=s), seed, 1e-2 if folded else 4e-3)
 
 
@@ -168,16 +177,19 @@ def test_stacked_layer_is_traced_and_read_in_place():
         assert_close(y, reference.decode_matmul_reference(x, w[layer], w_scale=s[layer]), seed, 1e-2)
 
 
-@pytest.mark.parametrize("kind,layers", [("bf16", None), ("block", 2)])
-def test_gate_up_fused_kernel(kind, layers):
+@pytest.mark.parametrize("kind,layers,cfg", [("bf16", None, None), ("block", 2, None), ("block", 2, F16),
+                                             ("block", None, gpu.TileConfig(128, 128, fp8_via="f16", n_wg=2)),
+                                             ("bf16", 2, gpu.TileConfig(128, 128, n_wg=2))])
+def test_gate_up_fused_kernel(kind, layers, cfg):
     rng, seed = fresh_rng()
     x, wg, sg = make_case(rng, 11, 256, 256, kind, layers)
     _, wu, su = make_case(rng, 11, 256, 256, kind, layers)
     layer = None if layers is None else 1
-    h = gpu.gate_up_silu_gpu(x, wg, wu, gate_scale=sg, up_scale=su, layer=layer, num_sms=3, interpret=True)
+    h = gpu.gate_up_silu_gpu(x, wg, wu, gate_scale=sg, up_scale=su, layer=layer, cfg=cfg, num_sms=3, interpret=True)
     pick = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])
     r = reference.gate_up_silu_reference(x, pick(wg), pick(wu), gate_scale=pick(sg), up_scale=pick(su))
-    assert_close(h, r, seed, 2e-2 if kind == "block" else 8e-3)
+    folded = kind == "block" and cfg is not None and cfg.fp8_via == "bf16"
+    assert_close(h, r, seed, 2e-2 if folded else 8e-3)
 
 
 def test_gate_up_large_t_falls_back_to_two_launches():
@@ -194,7 +206,11 @@ def test_gate_up_large_t_falls_back_to_two_launches():
 @pytest.mark.parametrize("t,kind,mats,layers,cfg", [
     (1, "bf16", 1, 4, None), (33, "block", 2, 3, None), (128, "channel", 1, None, None),
     (256, "bf16", 1, None, None), (8, "block", 1, 4, F16), (64, "block", 2, None, F16),
-    (40, "block", 1, None, gpu.TileConfig(256, 128, fp8_via="f16")), (16, "fp8", 1, None, F16)])
+    (40, "block", 1, None, gpu.TileConfig(256, 128, fp8_via="f16")), (16, "fp8", 1, None, F16),
+    (8, "bf16", 1, 4, gpu.TileConfig(64, 256, n_wg=2)), (64, "bf16", 1, None, gpu.TileConfig(128, 128, n_wg=2)),
+    (8, "block", 2, 3, gpu.TileConfig(128, 128, fp8_via="f16", n_wg=2)),
+    (64, "block", 1, None, gpu.TileConfig(128, 128, fp8_via="f16", n_wg=2)),
+    (8, "block", 1, 2, gpu.TileConfig(128, 128, fp8_via="f16", deq_layout="8bit"))])
 def test_lowers_for_cuda(t, kind, mats, layers, cfg):
     d, f = 1024, 2048
     pre = () if layers is None else (layers,)

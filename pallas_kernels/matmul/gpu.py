@@ -61,8 +61,12 @@ class TileConfig:
     # the weights; "f16" converts e4m3 -> f16 (one cvt per pair, exact), runs the wgmma in f16
     # with x cast to f16 (pre-scaled by 2^-X_SHIFT) and applies each 128x128 block scale to a
     # per-block float32 product. Ignored for bf16 weights.
-    fp8_via: str = "bf16"
-    deq_rows: int = 64   # rows of the fp8 tile converted per load/convert/store round
+    fp8_via: str = "f16"
+    deq_rows: int = 128  # rows of the fp8 tile converted per load/convert/store round (<= tile_d)
+    # compute warpgroups per CTA; > 1 selects the warp-specialized kernel (gpu_ws.py): a TMA
+    # producer warpgroup plus n_wg compute warpgroups, each taking tile_f / n_wg of the F rows
+    n_wg: int = 1
+    deq_layout: str = "auto"   # "8bit": load fp8 tiles in the WGMMA_8BIT register layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,8 @@ class Plan:
     slot_mask: tuple   # [n_slots][f_tiles] bools: was partial (slot, tile) written
     fp8_via: str = "bf16"
     deq_rows: int = 64
+    n_wg: int = 1
+    deq_layout: str = "auto"   # "8bit": load fp8 tiles in the WGMMA_8BIT register layout
 
 
 def padded_t(t: int) -> int:
@@ -114,7 +120,7 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileCon
     budget = min(cfg.smem_budget, SMEM_LIMIT // cfg.ctas_per_sm) - fixed
     stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
     return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
-                n_slots, stages, mask, cfg.fp8_via, cfg.deq_rows)
+                n_slots, stages, mask, cfg.fp8_via, min(cfg.deq_rows, tile_d), cfg.n_wg, cfg.deq_layout)
 
 
 def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
@@ -133,17 +139,21 @@ def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
         return f"T={t} outside 1..{MAX_T}"
     if cfg.fp8_via not in ("bf16", "f16"):
         return f"fp8_via={cfg.fp8_via!r} (use 'bf16' or 'f16')"
-    if cfg.deq_rows % 8 or cfg.tile_d % cfg.deq_rows:
+    if cfg.deq_rows % 8 or cfg.tile_d % min(cfg.deq_rows, cfg.tile_d):
         return f"deq_rows={cfg.deq_rows} must be a multiple of 8 dividing tile_d={cfg.tile_d}"
     if cfg.tile_f % 64 or cfg.tile_d % 64:
         return f"tile sizes {cfg.tile_d}x{cfg.tile_f} must be multiples of 64"
+    if cfg.n_wg < 1 or cfg.tile_f % (64 * cfg.n_wg):
+        return f"n_wg={cfg.n_wg} warpgroups need tile_f={cfg.tile_f} to split into multiples of 64"
+    if cfg.n_wg > 1 and is_fp8(wdt) and cfg.fp8_via != "f16":
+        return "the warp-specialized kernel (n_wg > 1) takes fp8 weights only with fp8_via='f16'"
     if d % cfg.tile_d:
         return f"D={d} not a multiple of tile_d={cfg.tile_d}"
     if f % cfg.tile_f:
         return f"F={f} not a multiple of tile_f={cfg.tile_f}"
     if block_scaled:
-        if cfg.tile_d % BLOCK or cfg.tile_f > BLOCK:
-            return f"block scales need tile_f <= {BLOCK} and tile_d a multiple of {BLOCK}"
+        if cfg.tile_d % BLOCK or cfg.tile_f > BLOCK * cfg.n_wg:
+            return f"block scales need tile_f <= {BLOCK} per warpgroup and tile_d a multiple of {BLOCK}"
     if any(s is not None for s in scales) and any(s is None for s in scales):
         return "some matrices scaled and some not"
     if len({None if s is None else s.ndim for s in scales}) > 1:
@@ -256,7 +266,10 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                     dst = deq_smems[m]
                     for r in range(p.tile_d // p.deq_rows):
                         rows = pl.ds(r * p.deq_rows, p.deq_rows)
-                        dst.at[rows][...] = w_smems[m].at[rows][...].astype(jnp.float16)
+                        v = w_smems[m].at[rows][...]
+                        if p.deq_layout == "8bit":   # 4 bytes per lane: full-width SMEM loads
+                            v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_8BIT)
+                        dst.at[rows][...] = v.astype(jnp.float16)
                     plgpu.commit_smem()
                     a_ref = dst
                 elif fp8:
@@ -344,8 +357,16 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
     The running sums live in registers: n_mats * tile_f * Tp / 128 float32 per thread, kept
     <= 128. Among the D steps that divide D, pick the one with the most weight bytes in flight
     ((stages - 1) * weight bytes per stage), preferring larger steps on ties.
+
+    bf16 at Tp >= 32 prefers tile_f = 64: each CTA then covers twice the D range per F tile, so
+    its float32 partials (n_CTAs x tile_f x Tp x 4 bytes, written then re-read by the epilogue)
+    halve; measured +5-12% on 4096x{4096,6144} at T = 32/64 (RESULTS.md, variants run) despite
+    the doubled x-tile reads. fp8 goes through f16 ("f16" path, 128-row conversion rounds):
+    1.2-1.4x the bf16-folding path in the same run, and exact.
     """
     tp = padded_t(t)
+    fp8 = w_itemsize == 1
+    pref_f = 64 if (not fp8 and tp >= 32) else 128
     best, best_key = None, None
     for tile_f in (128, 64):
         if f % tile_f or n_mats * tile_f * tp // 128 > 128:
@@ -357,7 +378,8 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
             plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms)
             if plan.stages < min(2, plan.n_per):
                 continue
-            key = (min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize, tile_f, tile_d)
+            key = (tile_f == pref_f, min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize,
+                   tile_f, tile_d)
             if best_key is None or key > best_key:
                 best, best_key = cfg, key
     return best
@@ -412,6 +434,9 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     args += list(ws)
     if block_scaled:
         args += list(scales)
+    if plan.n_wg > 1:
+        from pallas_kernels.matmul.gpu_ws import kernel_call_ws
+        return kernel_call_ws(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
     return _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
 
 

@@ -10,11 +10,14 @@ second process (the decode side: a device page pool + ``KVReceiver`` with a shar
 pages to it, timing ``KVSender.send`` end to end (announce -> last chunk written into the decode pool and
 acknowledged). Variants:
 
+- ``ipc/c<N>``: device to device through the decode side's CUDA IPC staging buffer, N pages per chunk;
 - ``shm/<copier>/c<N>``: the same-host data plane, N pages per chunk, copier ``cupy`` (segment pinned with
   cudaHostRegister, one DMA each way) or ``jax-pinned`` (pinned_host arrays + threaded memcpy);
 - ``grpc/raw`` and ``grpc/splitzip``: the pages in the gRPC stream (``--grpc-pages`` of them; slow);
 - ceilings: ``jax.device_put`` to / from ``pinned_host`` (the 52 GB/s of JAX_NOTES) and cupy memcpy between the
-  device and the registered segment, on the same array, in this run.
+  device and the registered segment, on the same array, in this run; and a device->host copy in this process while
+  a second process copies host->device on the same GPU (do two processes' copies overlap?), and a device-to-device
+  copy (the ceiling of the IPC path).
 After every transfer the decode side checksums what landed in its pool and the result must equal the sender's.
 Prints a table and writes JSON.
 """
@@ -95,20 +98,77 @@ def receiver_main(a):
     log = open(a.log, "a")
 
     async def main():
+        nb = (a.pages + 64) * pool.data[0].nbytes
         rx = KVReceiver(pool, page_dtype="bfloat16", page_shape=PAGE_SHAPE, codecs=list(CODECS), timeout_s=120,
-                        on_ready=on_ready, shm_bytes=(a.pages + 64) * pool.data[0].nbytes, copier=a.copier,
-                        device=jax.devices()[0])
+                        on_ready=on_ready, shm_bytes=nb, copier=a.copier, device=jax.devices()[0],
+                        ipc_bytes=nb if a.copier == "cupy" else 0)
         server = grpc.aio.server(options=GRPC_OPTS)
         server.add_generic_rpc_handlers((kv_service_handler(rx),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         rx.start()
-        print(f"LISTEN 127.0.0.1:{port} copier={type(rx.copier).__name__} shm={rx.arena is not None}", flush=True)
+        print(f"LISTEN 127.0.0.1:{port} copier={type(rx.copier).__name__} shm={rx.arena is not None} "
+              f"ipc={rx.ipc is not None}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)     # until the sender closes stdin
         print(f"receiver copier fallbacks: {getattr(rx.copier, 'fallbacks', 0)}", file=sys.stderr, flush=True)
         await rx.stop()
         await server.stop(0)
     asyncio.run(main())
+
+
+def copy_helper_main(a):
+    """Second process of the cross-process ceiling: host->device copies of ``--pages`` bytes for ``--seconds``,
+    started when stdin says go; prints GB/s."""
+    import cupy as cp
+
+    nbytes = a.helper_bytes
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    dev = cp.empty(nbytes, cp.uint8)
+    s = cp.cuda.Stream(non_blocking=True)
+    rt = cp.cuda.runtime
+    rt.memcpyAsync(dev.data.ptr, host.ptr, nbytes, rt.memcpyHostToDevice, s.ptr)
+    s.synchronize()
+    print("READY", flush=True)
+    sys.stdin.readline()
+    t0, k = time.perf_counter(), 0
+    while time.perf_counter() - t0 < a.seconds:
+        rt.memcpyAsync(dev.data.ptr, host.ptr, nbytes, rt.memcpyHostToDevice, s.ptr)
+        s.synchronize()
+        k += 1
+    print(f"GBS {k * nbytes / (time.perf_counter() - t0) / 1e9}", flush=True)
+
+
+def cross_process_ceiling(x, seconds=1.0):
+    """D2H here while another process does H2D on the same GPU: the two rates (and alone, for comparison)."""
+    import cupy as cp
+
+    nbytes = x.nbytes
+    src = cp.from_dlpack(x)
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    s = cp.cuda.Stream(non_blocking=True)
+    rt = cp.cuda.runtime
+
+    def d2h_for(sec):
+        t0, k = time.perf_counter(), 0
+        while time.perf_counter() - t0 < sec:
+            rt.memcpyAsync(host.ptr, src.data.ptr, nbytes, rt.memcpyDeviceToHost, s.ptr)
+            s.synchronize()
+            k += 1
+        return k * nbytes / (time.perf_counter() - t0) / 1e9
+    alone = d2h_for(0.3)
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--copy-helper", "--helper-bytes", str(nbytes),
+                          "--seconds", str(seconds)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "READY"
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    mine = d2h_for(seconds)
+    other = float(p.stdout.readline().split()[1])
+    p.wait(30)
+    d2d = timed(lambda: (rt.memcpyAsync(cp.empty(nbytes, cp.uint8).data.ptr, src.data.ptr, nbytes,
+                                        rt.memcpyDeviceToDevice, s.ptr), s.synchronize()), 3, nbytes)
+    return {"d2h_alone_gbs": alone, "d2h_while_other_process_h2d_gbs": mine, "other_process_h2d_gbs": other,
+            "sum_gbs": mine + other, "cupy_d2d_gbs": d2d["gbs"]}
 
 
 # -- prefill side (this process) ---------------------------------------------------------------------------------
@@ -205,7 +265,7 @@ def read_checksums(log):
     return out
 
 
-async def run_variant(addr, name, pages, n, chunk, reps, shm, codecs, copier, log):
+async def run_variant(addr, name, pages, n, chunk, reps, shm, codecs, copier, log, ipc=False):
     import grpc
 
     from serving.kv_transfer import KVSender
@@ -214,13 +274,13 @@ async def run_variant(addr, name, pages, n, chunk, reps, shm, codecs, copier, lo
     want = chunk_checksums(pages, n, n)[0]
     res = {"variant": name, "pages": n, "chunk_pages": chunk, "raw_bytes": None, "runs": []}
     async with grpc.aio.insecure_channel(addr, options=GRPC_OPTS) as ch:
-        sender = KVSender(ch, codecs=codecs, chunk_pages=chunk, timeout_s=300, shm=shm, copier=copier)
+        sender = KVSender(ch, codecs=codecs, chunk_pages=chunk, timeout_s=300, shm=shm, copier=copier, ipc=ipc)
         for i in range(reps + 1):
             rid = f"{name}-{i}"
             t0 = time.perf_counter()
             st = await sender.send(rid, pages, n, num_pages=n)
             dt = time.perf_counter() - t0
-            res["raw_bytes"], res["wire_bytes"], res["shm"], res["codec"] = st.raw_bytes, st.wire_bytes, st.shm, st.codec
+            res["raw_bytes"], res["wire_bytes"], res["path"], res["codec"] = st.raw_bytes, st.wire_bytes, st.path, st.codec
             if i:
                 res["runs"].append(dt)
     await asyncio.sleep(0.5)
@@ -243,9 +303,14 @@ def main():
     ap.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--copier", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--log", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--copy-helper", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--helper-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=1.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.receiver:
         return receiver_main(a)
+    if a.copy_helper:
+        return copy_helper_main(a)
 
     import jax
     import jax.numpy as jnp
@@ -272,14 +337,21 @@ def main():
     except OSError:
         pass
     res["ceiling"] = ceilings(pages, a.pages, a.reps)
+    if gpu:
+        try:
+            res["ceiling"]["cross_process"] = cross_process_ceiling(pages[:a.pages])
+        except Exception as e:  # noqa: BLE001
+            res["ceiling"]["cross_process_error"] = f"{type(e).__name__}: {e}"
     for k, v in res["ceiling"].items():
-        print(f"ceiling {k:<38} " + (f"{v['gbs']:7.2f} GB/s" if isinstance(v, dict) else str(v)), flush=True)
+        print(f"ceiling {k:<38} " + (f"{v['gbs']:7.2f} GB/s" if isinstance(v, dict) and "gbs" in v else str(v)),
+              flush=True)
     log = f"/tmp/bench_kv_transfer_{os.getpid()}.jsonl"
-    runs = [(c, [(f"shm/{c}/c{k}", a.pages, k, True, ["raw"]) for k in map(int, a.chunks.split(","))])
-            for c in copiers]
+    ks = [int(k) for k in a.chunks.split(",")]
+    runs = [(c, ([(f"ipc/c{k}", a.pages, k, True, ["raw"], True) for k in ks] if c == "cupy" else [])
+             + [(f"shm/{c}/c{k}", a.pages, k, True, ["raw"], False) for k in ks]) for c in copiers]
     if not a.skip_grpc:    # last: the splitzip encoder may compile for a while
-        runs.append((copiers[0], [("grpc/raw", a.grpc_pages, 16, False, ["raw"]),
-                                  ("grpc/splitzip", a.grpc_pages, 16, False, ["splitzip", "raw"])]))
+        runs.append((copiers[0], [("grpc/raw", a.grpc_pages, 16, False, ["raw"], False),
+                                  ("grpc/splitzip", a.grpc_pages, 16, False, ["splitzip", "raw"], False)]))
     for copier, plans in runs:
         try:
             proc, addr, line = start_receiver(a, copier, log)
@@ -289,9 +361,9 @@ def main():
         print(line, flush=True)
         try:
             sc = kv_shm.make_copier(copier)
-            for name, n, c, shm, codecs in plans:
+            for name, n, c, shm, codecs, ipc in plans:
                 try:
-                    r = asyncio.run(run_variant(addr, name, pages, n, c, a.reps, shm, codecs, sc, log))
+                    r = asyncio.run(run_variant(addr, name, pages, n, c, a.reps, shm, codecs, sc, log, ipc))
                     r["sender_copier_fallbacks"] = getattr(sc, "fallbacks", 0)
                 except Exception as e:  # noqa: BLE001
                     r = {"variant": name, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-2000:]}
@@ -301,7 +373,8 @@ def main():
                 else:
                     print(f"{name:<24} {r['pages']:>5} pages {r['raw_bytes'] / 1e6:9.1f} MB raw "
                           f"{r['wire_bytes'] / 1e6:9.1f} MB wire {r['s'] * 1e3:9.2f} ms {r['gbs']:7.2f} GB/s "
-                          f"verified={r['verified']} fallbacks={r['sender_copier_fallbacks']}", flush=True)
+                          f"path={r['path']} verified={r['verified']} fallbacks={r['sender_copier_fallbacks']}",
+                          flush=True)
                 if a.out:     # partial results survive a timeout
                     with open(a.out, "w") as f:
                         json.dump(res, f, indent=1)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--kv-shm-mb", type=int, default=256,
                     help="decode: shared-memory arena (MiB) for KV from prefill workers on this host (0: gRPC only); "
                          "prefill: 0 never offers shared memory")
+    pd.add_argument("--kv-ipc-mb", type=int, default=256,
+                    help="decode on a GPU: device staging buffer (MiB) shared by CUDA IPC with GPU prefill workers on "
+                         "this host (device-to-device KV; 0: none)")
     pd.add_argument("--kv-copier", default="auto", choices=["auto", "cupy", "jax-pinned", "numpy"],
                     help="how KV pages move between the device and shared memory")
     pd.add_argument("--worker-timeout", type=float, default=60.0,
@@ -141,7 +144,8 @@ async def _serve_split(a: argparse.Namespace, models) -> int:
     pre_model, dec_model = models
     workers = [Server(m, host="127.0.0.1", port=0, limits=Limits(), metrics_port=None, role=r,
                       kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
-                      kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier)
+                      kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier,
+                      kv_ipc_bytes=a.kv_ipc_mb << 20)
                for m, r in ((pre_model, "prefill"), (dec_model, "decode"))]
     for w in workers:
         await w.start()
@@ -163,7 +167,7 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                     prefill_workers=[w for w in a.prefill_workers.split(",") if w],
                     decode_workers=[w for w in a.decode_workers.split(",") if w],
                     kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
-                    kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier)
+                    kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier, kv_ipc_bytes=a.kv_ipc_mb << 20)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -14,6 +14,10 @@ out of the region into its pools. Both copies go through a ``HostCopier``:
   (multi-threaded numpy copies): one extra host copy, no cupy needed.
 ``auto`` picks cupy on a GPU when it imports, else jax-pinned on a GPU, else numpy.
 
+Device to device: when both sides are GPU processes on one host, the decode side can also export a device staging
+buffer by CUDA IPC (``IpcArena``); the prefill side copies its pages device to device into it (no host memory;
+on one GPU two processes' host copies do not overlap, so the host path tops out near one direction's PCIe rate).
+
 Integrity: each chunk carries the 64-bit device-side checksum of ``tbjax.engine.kv_pages.chunk_checksums``
 (computed on the prefill device before the copy, re-computed on the decode device after it), not crc32 (which
 runs ~1-2 GB/s on the host). The segment is created and unlinked by the decode side only (it outlives no
@@ -35,7 +39,7 @@ import uuid
 
 import numpy as np
 
-__all__ = ["host_id", "sweep_stale", "ShmArena", "ShmMapping", "HostCopier", "NumpyCopier", "CupyCopier", "JaxPinnedCopier",
+__all__ = ["host_id", "sweep_stale", "Regions", "ShmArena", "IpcArena", "ipc_capable", "open_ipc", "copy_to_ipc", "ShmMapping", "HostCopier", "NumpyCopier", "CupyCopier", "JaxPinnedCopier",
            "make_copier", "COPIERS"]
 
 log = logging.getLogger(__name__)
@@ -116,23 +120,14 @@ _noop = _Noop()
 COPIERS_LIVE: dict = {}
 
 
-class ShmArena:
-    """Decode side: one segment, carved into page-aligned regions (first fit); ``alloc`` returns an offset or
-    None when no region of that size is free (the transfer then goes over gRPC)."""
+class Regions:
+    """First-fit allocator of aligned byte regions of a buffer of ``size`` bytes (thread-safe)."""
 
-    def __init__(self, size: int, prefix: str = "tbjax-kv"):
-        if size < ALIGN:
-            raise ValueError(f"shared-memory arena of {size} bytes is too small (>= {ALIGN})")
-        sweep_stale(prefix)
-        self.seg = ShmMapping(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}", _round(size), create=True)
-        self._free: list[tuple[int, int]] = [(0, self.seg.size)]     # (offset, size), sorted by offset
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)]     # (offset, size), sorted by offset
         self._used: dict[int, int] = {}
         self._lock = threading.Lock()
-        atexit.register(self.close)
-
-    @property
-    def name(self) -> str:
-        return self.seg.name
 
     @property
     def bytes_used(self) -> int:
@@ -159,7 +154,7 @@ class ShmArena:
         with self._lock:
             n = self._used.pop(offset, None)
             if n is None:
-                raise RuntimeError(f"shared-memory region at {offset} is not allocated (double free?)")
+                raise RuntimeError(f"region at {offset} is not allocated (double free?)")
             self._free.append((offset, n))
             self._free.sort()
             merged: list[tuple[int, int]] = []
@@ -170,8 +165,125 @@ class ShmArena:
                     merged.append((off, size))
             self._free = merged
 
+
+class ShmArena(Regions):
+    """Decode side: one segment, carved into page-aligned regions (first fit); ``alloc`` returns an offset or
+    None when no region of that size is free (the transfer then goes over gRPC)."""
+
+    def __init__(self, size: int, prefix: str = "tbjax-kv"):
+        if size < ALIGN:
+            raise ValueError(f"shared-memory arena of {size} bytes is too small (>= {ALIGN})")
+        sweep_stale(prefix)
+        self.seg = ShmMapping(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}", _round(size), create=True)
+        super().__init__(self.seg.size)
+        atexit.register(self.close)
+
+    @property
+    def name(self) -> str:
+        return self.seg.name
+
     def close(self) -> None:
         self.seg.close()
+
+
+class IpcArena(Regions):
+    """Decode side, GPU: one device staging buffer (cudaMalloc through cupy) exported by a CUDA IPC handle, carved
+    into regions like ``ShmArena``. A prefill process on this host opens the handle once and copies its pages
+    device to device into a region (no host memory, no PCIe when both are on one GPU, NVLink/PCIe peer copy
+    across GPUs); ``rows`` copies a region into a fresh device array for the pool."""
+
+    def __init__(self, size: int, device):
+        import cupy
+
+        self.cp, self.device = cupy, device
+        self.hw = device.local_hardware_id if device.local_hardware_id is not None else device.id
+        size = _round(size)
+        with cupy.cuda.Device(self.hw):
+            self.ptr = cupy.cuda.runtime.malloc(size)
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        try:
+            self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.ptr))
+        except Exception:
+            cupy.cuda.runtime.free(self.ptr)
+            raise
+        super().__init__(size)
+        self._closed = False
+        atexit.register(self.close)
+
+    def rows(self, offset: int, n: int, dtype, row_shape):
+        """Rows ``n`` at ``offset`` as a new device array ``[bucket(n), *row_shape]`` (padding rows undefined)."""
+        import jax
+
+        dtype = np.dtype(dtype)
+        rb = _row_bytes(dtype, row_shape)
+        if offset < 0 or offset + n * rb > self.size:
+            raise ValueError(f"bytes [{offset}, {offset + n * rb}) outside the {self.size}-byte IPC buffer")
+        B = _bucket(n)
+        with self.cp.cuda.Device(self.hw):
+            dst = self.cp.empty(B * rb, self.cp.uint8)
+            self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, self.ptr + offset, n * rb,
+                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+            self.stream.synchronize()
+        return _view_rows(jax.dlpack.from_dlpack(dst), B, dtype, row_shape)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.cp.cuda.runtime.free(self.ptr)
+            except Exception:  # noqa: BLE001 - the CUDA context may already be gone at exit
+                pass
+
+
+_IPC_OPEN: dict[bytes, int] = {}      # sender side: handles opened in this process -> device pointer
+
+
+def ipc_capable(pages) -> bool:
+    """Can this process send ``pages`` by CUDA IPC: a GPU jax array, and cupy imports."""
+    if isinstance(pages, np.ndarray):
+        return False
+    try:
+        if next(iter(pages.devices())).platform != "gpu":
+            return False
+        import cupy  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def open_ipc(handle: bytes) -> int:
+    """Device pointer of a receiver's IPC buffer (opened once per process and handle)."""
+    ptr = _IPC_OPEN.get(handle)
+    if ptr is None:
+        import cupy
+
+        ptr = _IPC_OPEN[handle] = cupy.cuda.runtime.ipcOpenMemHandle(handle, 1)   # lazy peer access
+    return ptr
+
+
+def copy_to_ipc(pages, first: int, n: int, dst_ptr: int, stream=None) -> None:
+    """Rows ``[first, first + n)`` of a GPU jax array, device to device to ``dst_ptr`` (waits for the copy)."""
+    import cupy
+
+    pages.block_until_ready()
+    src = cupy.from_dlpack(pages)
+    rb = _row_bytes(pages.dtype, pages.shape[1:])
+    s = stream or _ipc_stream()
+    cupy.cuda.runtime.memcpyAsync(dst_ptr, src.data.ptr + first * rb, n * rb,
+                                  cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+    s.synchronize()
+
+
+_STREAMS: dict = {}
+
+
+def _ipc_stream():
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _STREAMS:
+        _STREAMS[dev] = cupy.cuda.Stream(non_blocking=True)
+    return _STREAMS[dev]
 
 
 def sweep_stale(prefix: str = "tbjax-kv") -> list[str]:

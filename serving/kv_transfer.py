@@ -25,6 +25,8 @@ the same host (equal ``host_id``) that offers ``shm`` is granted a region at Ann
 (device -> pinned host DMA with the ``cupy`` copier); the chunks then carry only the page range and a 64-bit
 device-side checksum (``in_shm``). The handshake, timeouts, and failure handling are the same; the region is
 freed with the reservation. A sender that cannot map the region sends the pages in the payload instead.
+GPU processes on one host go device to device instead when the receiver has ``ipc_bytes > 0``: a region of its
+CUDA IPC staging buffer (``in_ipc`` chunks); a sender that cannot open it falls back to shm, then to the payload.
 fp8 pools: each chunk carries its pages' float32 scales (``scales``, crc32-checked) on either path.
 """
 from __future__ import annotations
@@ -191,7 +193,9 @@ class _Reservation:
     wire_bytes: int = 0
     streaming: bool = False
     shm_offset: int | None = None     # granted region of the receiver's arena
-    shm_chunks: int = 0               # chunks that came through it
+    shm_chunks: int = 0               # chunks that came through it (shared memory or IPC)
+    ipc_offset: int | None = None     # granted region of the receiver's IPC buffer
+    ipc_chunks: int = 0
 
 
 class KVReceiver:
@@ -201,11 +205,13 @@ class KVReceiver:
                  timeout_s: float = 10.0, metrics=None,
                  on_ready: Callable[[str, list[int], int], None] | None = None,
                  on_failed: Callable[[str, str], None] | None = None,
-                 scales_shape: Sequence[int] | None = None, shm_bytes: int = 0, copier: str = "auto", device=None):
+                 scales_shape: Sequence[int] | None = None, shm_bytes: int = 0, copier: str = "auto", device=None,
+                 ipc_bytes: int = 0):
         """``scales_shape``: per-page float32 scales that must come with the pages (fp8 pools). ``shm_bytes``:
         size of the same-host shared-memory arena (0: none, every transfer over gRPC). ``copier``: how pages
         leave the segment (``kv_shm.make_copier``); ``device``: the jax device the pool wants pages on (None:
-        host arrays)."""
+        host arrays). ``ipc_bytes``: size of a device staging buffer shared by CUDA IPC with GPU senders on this
+        host (0: none; needs ``device`` on a GPU and cupy)."""
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
             raise ValueError(f"unknown codecs {unknown}; registered: {sorted(CODECS)}")
@@ -232,6 +238,12 @@ class KVReceiver:
                 if self.arena is not None:
                     self.arena.close()
                 self.arena = None
+        self.ipc: kv_shm.IpcArena | None = None
+        if ipc_bytes > 0 and device is not None and device.platform == "gpu":
+            try:
+                self.ipc = kv_shm.IpcArena(ipc_bytes, device)
+            except Exception as e:  # noqa: BLE001 - no cupy / no IPC: shm or gRPC
+                log.warning("no CUDA IPC KV buffer (%s: %s)", type(e).__name__, e)
         self._res: dict[str, _Reservation] = {}
         self._expiry: asyncio.Task | None = None
         self.num_completed = 0
@@ -259,7 +271,9 @@ class KVReceiver:
     def _free_region(self, res: _Reservation) -> None:
         if res.shm_offset is not None and self.arena is not None:
             self.arena.free(res.shm_offset)
-        res.shm_offset = None
+        if res.ipc_offset is not None and self.ipc is not None:
+            self.ipc.free(res.ipc_offset)
+        res.shm_offset = res.ipc_offset = None
 
     def start(self) -> None:
         """Start the expiry task (call on the serving loop)."""
@@ -275,6 +289,9 @@ class KVReceiver:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        if self.ipc is not None:
+            self.ipc.close()
+            self.ipc = None
 
     async def _expire_loop(self) -> None:
         period = max(0.01, min(0.5, self.timeout_s / 4))
@@ -317,8 +334,14 @@ class KVReceiver:
             res.shm_offset = self.arena.alloc(req.num_pages * self.page_nbytes)   # None: arena full -> gRPC
             if res.shm_offset is not None:
                 shm_name = self.arena.name
+        ipc_handle = b""
+        if req.ipc and self.ipc is not None and req.host_id == self.host_id and req.pid != os.getpid():
+            res.ipc_offset = self.ipc.alloc(req.num_pages * self.page_nbytes)
+            if res.ipc_offset is not None:
+                ipc_handle = self.ipc.handle
         return kvpb.AnnounceResponse(reservation_id=rid, codec=codec, timeout_ms=int(self.timeout_s * 1000),
-                                     shm_name=shm_name, shm_offset=res.shm_offset or 0)
+                                     shm_name=shm_name, shm_offset=res.shm_offset or 0, ipc_handle=ipc_handle,
+                                     ipc_offset=res.ipc_offset or 0)
 
     async def PushKV(self, request_iterator, context):
         res: _Reservation | None = None
@@ -360,13 +383,14 @@ class KVReceiver:
                 self._fail(res, f"transfer stream broke: {type(e).__name__}: {e}")
             raise
         del self._res[res.id]
-        used_shm = res.shm_chunks > 0
+        used_shm = res.shm_chunks > 0 or res.ipc_chunks > 0
         self._free_region(res)
         self.num_completed += 1
         if self.on_ready is not None:
             self.on_ready(res.request_id, res.pages, res.num_tokens)
+        path = "ipc" if res.ipc_chunks else "shm" if res.shm_chunks else "grpc"
         return kvpb.PushResult(reservation_id=res.id, pages=len(res.pages), raw_bytes=res.raw_bytes,
-                               wire_bytes=res.wire_bytes, shm=used_shm)
+                               wire_bytes=res.wire_bytes, shm=used_shm, path=path)
 
     async def _take_chunk(self, res: _Reservation, chunk) -> None:
         n, first = chunk.num_pages, chunk.first_page
@@ -389,7 +413,18 @@ class KVReceiver:
             scales = np.frombuffer(chunk.scales, np.float32).reshape(n, *self.scales_shape)
         elif chunk.scales:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "chunk carries scales, this worker's pages have none")
-        if chunk.in_shm:
+        if chunk.in_ipc:
+            if res.ipc_offset is None or self.ipc is None:
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "chunk is in the IPC buffer, none was granted")
+            off = res.ipc_offset + first * self.page_nbytes
+            try:
+                pages = await asyncio.to_thread(self._from_ipc, off, n, chunk.checksum64)
+            except _Abort:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise _Abort(grpc.StatusCode.INTERNAL, f"cannot read chunk at page {first} from the IPC buffer: "
+                                                       f"{type(e).__name__}: {e}") from None
+        elif chunk.in_shm:
             if res.shm_offset is None or self.arena is None:
                 raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "chunk is in shared memory, none was granted")
             off = res.shm_offset + first * self.page_nbytes
@@ -419,12 +454,23 @@ class KVReceiver:
             raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
         res.received[first:first + n] = True
         res.shm_chunks += bool(chunk.in_shm)
+        res.ipc_chunks += bool(chunk.in_ipc)
         res.raw_bytes += chunk.raw_nbytes
         res.wire_bytes += len(chunk.payload) + len(chunk.scales)
         res.deadline = time.monotonic() + self.timeout_s     # progress renews the reservation
         if self.metrics is not None:
             self.metrics.transfer_raw.inc(chunk.raw_nbytes)
             self.metrics.transfer_wire.inc(len(chunk.payload) + len(chunk.scales))
+
+    def _from_ipc(self, offset: int, n: int, checksum64: int):
+        from tbjax.engine.kv_pages import chunk_checksums
+
+        rows = self.ipc.rows(offset, n, self.dtype, self.page_shape)
+        got = chunk_checksums(rows, n, rows.shape[0])[0]
+        if got != checksum64:
+            raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in IPC chunk at byte {offset} "
+                                                    f"({got:#x}, sender {checksum64:#x})")
+        return rows
 
     def _from_shm(self, offset: int, n: int, checksum64: int):
         """The chunk's pages out of the region (to the pool's device), checked against the sender's checksum."""
@@ -485,7 +531,8 @@ class SendStats:
     wire_bytes: int
     announce_s: float
     push_s: float
-    shm: bool = False
+    shm: bool = False              # pages did not travel in the gRPC stream (shared memory or CUDA IPC)
+    path: str = "grpc"             # "ipc", "shm" or "grpc"
     extra: dict = field(default_factory=dict)
 
 
@@ -517,7 +564,8 @@ class KVSender:
 
     def __init__(self, channel: grpc.aio.Channel, *, codecs: Sequence[str] = ("raw",), chunk_pages: int = 16,
                  timeout_s: float = 30.0, metrics=None, stall_after_chunks: int | None = None,
-                 stall_s: float = 3600.0, shm: bool = True, copier: str | kv_shm.HostCopier = "auto"):
+                 stall_s: float = 3600.0, shm: bool = True, copier: str | kv_shm.HostCopier = "auto",
+                 ipc: bool = True):
         self.stall_after_chunks, self.stall_s = stall_after_chunks, stall_s
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
@@ -525,7 +573,7 @@ class KVSender:
         if chunk_pages < 1:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
         self.codecs, self.chunk_pages, self.timeout_s, self.metrics = list(codecs), chunk_pages, timeout_s, metrics
-        self.shm, self._copier = shm, copier
+        self.shm, self._copier, self.ipc = shm, copier, ipc
         p = f"/{KV_SERVICE_NAME}/"
         self._announce = channel.unary_unary(p + "Announce", request_serializer=kvpb.AnnounceRequest.SerializeToString,
                                              response_deserializer=kvpb.AnnounceResponse.FromString)
@@ -580,6 +628,19 @@ class KVSender:
                                raw_nbytes=m * row_bytes, in_shm=True, checksum64=sums[j], last=first + c >= n,
                                **self._scales_fields(scales, first, m))
 
+    async def _ipc_chunks(self, ann, pages, scales, n: int, dst_ptr: int, sums: list[int]):
+        """Chunks through the granted device region: copy device to device, then send the control message."""
+        c = self.chunk_pages
+        row_bytes = int(np.prod(pages.shape[1:])) * pages.dtype.itemsize
+        for j, first in enumerate(range(0, n, c)):
+            if self.stall_after_chunks is not None and j == self.stall_after_chunks:
+                await asyncio.sleep(self.stall_s)
+            m = min(c, n - first)
+            kv_shm.copy_to_ipc(pages, first, m, dst_ptr + ann.ipc_offset + first * row_bytes)
+            yield kvpb.KVChunk(reservation_id=ann.reservation_id, first_page=first, num_pages=m, codec=ann.codec,
+                               raw_nbytes=m * row_bytes, in_ipc=True, checksum64=sums[j], last=first + c >= n,
+                               **self._scales_fields(scales, first, m))
+
     async def send(self, request_id: str, pages, num_tokens: int = 0, *, num_pages: int | None = None,
                    scales=None) -> SendStats:
         """Move ``pages`` ([n, *page_shape], host numpy or a device array that may carry padding rows past
@@ -594,6 +655,7 @@ class KVSender:
         dtype_name = np.dtype(pages.dtype).name
         t0 = time.perf_counter()
         sums = None
+        ipc = self.ipc and self.shm and kv_shm.ipc_capable(pages)
         if self.shm:    # before the announce: no reservation waits on this (or on its compile)
             from tbjax.engine.kv_pages import chunk_checksums
             sums = await asyncio.to_thread(chunk_checksums, pages, n, self.chunk_pages)
@@ -602,13 +664,19 @@ class KVSender:
                 request_id=request_id, num_pages=n, num_tokens=num_tokens,
                 layout=kvpb.PageLayout(dtype=dtype_name, shape=list(pages.shape[1:]),
                                        scales_shape=[] if scales is None else list(scales.shape[1:])),
-                codecs=self.codecs, host_id=kv_shm.host_id() if self.shm else "", shm=self.shm),
+                codecs=self.codecs, host_id=kv_shm.host_id() if self.shm else "", shm=self.shm, ipc=ipc,
+                pid=os.getpid()),
                 timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise TransferError(e.code(), f"announce of {request_id!r} failed: {e.details()}") from None
         t1 = time.perf_counter()
         chunks = None
-        if ann.shm_name:
+        if ann.ipc_handle:
+            try:
+                chunks = self._ipc_chunks(ann, pages, scales, n, kv_shm.open_ipc(ann.ipc_handle), sums)
+            except Exception as e:  # noqa: BLE001 - cannot open it: shared memory or the byte stream
+                log.warning("CUDA IPC buffer not usable (%s: %s): trying shared memory", type(e).__name__, e)
+        if chunks is None and ann.shm_name:
             try:
                 chunks = self._shm_chunks(ann, pages, scales, n, _mapping(ann.shm_name), sums)
             except Exception as e:  # noqa: BLE001 - cannot map it: the byte stream still works
@@ -629,8 +697,9 @@ class KVSender:
         if self.metrics is not None:
             self.metrics.transfer_raw.inc(result.raw_bytes)
             self.metrics.transfer_wire.inc(result.wire_bytes)
-        return SendStats(ann.reservation_id, "shm" if result.shm else ann.codec, result.pages, result.raw_bytes,
-                         result.wire_bytes, t1 - t0, time.perf_counter() - t1, shm=result.shm)
+        return SendStats(ann.reservation_id, result.path if result.shm else ann.codec, result.pages,
+                         result.raw_bytes, result.wire_bytes, t1 - t0, time.perf_counter() - t1, shm=result.shm,
+                         path=result.path or "grpc")
 
 
 _COPIER_CACHE: dict[str, kv_shm.HostCopier] = {}

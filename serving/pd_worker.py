@@ -194,7 +194,8 @@ class PrefillService(_Base):
             await context.abort(e.code, e.message)
         self.last_stats = st
         yield dumps({"done": {"transferred": True, "codec": st.codec, "pages": st.pages, "raw_bytes": st.raw_bytes,
-                              "wire_bytes": st.wire_bytes, "shm": st.shm, "seconds": time.perf_counter() - t0}})
+                              "wire_bytes": st.wire_bytes, "shm": st.shm, "path": st.path,
+                              "seconds": time.perf_counter() - t0}})
 
 
 class EnginePagePool:
@@ -239,7 +240,7 @@ class DecodeService(_Base):
     """The KV transfer receiver (late reservations into the engine's pools) and ``Decode``."""
 
     def __init__(self, engine_loop: EngineLoop, make_params, *, timeout_s: float = 10.0, metrics=None,
-                 shm_bytes: int = 256 << 20, copier: str = "auto"):
+                 shm_bytes: int = 256 << 20, copier: str = "auto", ipc_bytes: int = 256 << 20):
         super().__init__(engine_loop, make_params, timeout_s)
         eng = engine_loop.engine
         self.dtype, self.page_shape = page_layout(eng)
@@ -247,7 +248,7 @@ class DecodeService(_Base):
         self.receiver = KVReceiver(self.pool, page_dtype=self.dtype, page_shape=self.page_shape,
                                    codecs=kv_codecs_for(self.dtype), timeout_s=timeout_s, metrics=metrics,
                                    on_ready=self._on_ready, scales_shape=scales_layout(eng), shm_bytes=shm_bytes,
-                                   copier=copier, device=pool_device(eng))
+                                   copier=copier, device=pool_device(eng), ipc_bytes=ipc_bytes)
         self._landed: dict[str, tuple[list[int], float]] = {}    # request id -> (pages, deadline)
         self._expiry: asyncio.Task | None = None
 
@@ -268,9 +269,10 @@ class DecodeService(_Base):
             self._drop(rid, "decode worker stopped")
 
     def extra_stats(self) -> dict:
-        a = self.receiver.arena
+        a, ipc = self.receiver.arena, self.receiver.ipc
         return {"landed": len(self._landed), "open_transfers": self.receiver.num_open,
-                "shm_regions": 0 if a is None else a.num_regions, "shm_segment": None if a is None else a.name}
+                "shm_regions": 0 if a is None else a.num_regions, "shm_segment": None if a is None else a.name,
+                "ipc_regions": 0 if ipc is None else ipc.num_regions}
 
     def _on_ready(self, rid: str, pages: list[int], num_tokens: int) -> None:
         self._landed[rid] = (pages, time.monotonic() + self.timeout_s)

@@ -245,7 +245,7 @@ class Server:
                  metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated",
                  prefill_workers: list[str] | None = None, decode_workers: list[str] | None = None,
                  kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0,
-                 kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto"):
+                 kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto", kv_ipc_bytes: int = 256 << 20):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         self.model = model
@@ -267,7 +267,8 @@ class Server:
             elif role == "decode":
                 from .pd_worker import DecodeService
                 self.pd_service = DecodeService(self.engine_loop, model.make_params, timeout_s=kv_timeout_s,
-                                                metrics=self.metrics, shm_bytes=kv_shm_bytes, copier=kv_copier)
+                                                metrics=self.metrics, shm_bytes=kv_shm_bytes, copier=kv_copier,
+                                                ipc_bytes=kv_ipc_bytes)
         self.servicer = TbjaxServicer(model, self.engine_loop, self.limits, self.metrics, role)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None

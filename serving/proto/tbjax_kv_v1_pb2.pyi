@@ -17,7 +17,7 @@ class PageLayout(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., scales_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AnnounceRequest(_message.Message):
-    __slots__ = ("request_id", "num_pages", "num_tokens", "layout", "codecs", "host_id", "shm")
+    __slots__ = ("request_id", "num_pages", "num_tokens", "layout", "codecs", "host_id", "shm", "ipc", "pid")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class AnnounceRequest(_message.Message):
     CODECS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_pages: int
     num_tokens: int
@@ -32,24 +34,30 @@ class AnnounceRequest(_message.Message):
     codecs: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     shm: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., codecs: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm: _Optional[bool] = ...) -> None: ...
+    ipc: bool
+    pid: int
+    def __init__(self, request_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., codecs: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm: _Optional[bool] = ..., ipc: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class AnnounceResponse(_message.Message):
-    __slots__ = ("reservation_id", "codec", "timeout_ms", "shm_name", "shm_offset")
+    __slots__ = ("reservation_id", "codec", "timeout_ms", "shm_name", "shm_offset", "ipc_handle", "ipc_offset")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    IPC_OFFSET_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     codec: str
     timeout_ms: int
     shm_name: str
     shm_offset: int
-    def __init__(self, reservation_id: _Optional[str] = ..., codec: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ...) -> None: ...
+    ipc_handle: bytes
+    ipc_offset: int
+    def __init__(self, reservation_id: _Optional[str] = ..., codec: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., ipc_offset: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("reservation_id", "first_page", "num_pages", "codec", "raw_nbytes", "payload", "crc32", "last", "in_shm", "checksum64", "scales", "scales_crc32")
+    __slots__ = ("reservation_id", "first_page", "num_pages", "codec", "raw_nbytes", "payload", "crc32", "last", "in_shm", "checksum64", "scales", "scales_crc32", "in_ipc")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +70,7 @@ class KVChunk(_message.Message):
     CHECKSUM64_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     SCALES_CRC32_FIELD_NUMBER: _ClassVar[int]
+    IN_IPC_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     first_page: int
     num_pages: int
@@ -74,21 +83,24 @@ class KVChunk(_message.Message):
     checksum64: int
     scales: bytes
     scales_crc32: int
-    def __init__(self, reservation_id: _Optional[str] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ..., last: _Optional[bool] = ..., in_shm: _Optional[bool] = ..., checksum64: _Optional[int] = ..., scales: _Optional[bytes] = ..., scales_crc32: _Optional[int] = ...) -> None: ...
+    in_ipc: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ..., last: _Optional[bool] = ..., in_shm: _Optional[bool] = ..., checksum64: _Optional[int] = ..., scales: _Optional[bytes] = ..., scales_crc32: _Optional[int] = ..., in_ipc: _Optional[bool] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("reservation_id", "pages", "raw_bytes", "wire_bytes", "shm")
+    __slots__ = ("reservation_id", "pages", "raw_bytes", "wire_bytes", "shm", "path")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     pages: int
     raw_bytes: int
     wire_bytes: int
     shm: bool
-    def __init__(self, reservation_id: _Optional[str] = ..., pages: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., shm: _Optional[bool] = ...) -> None: ...
+    path: str
+    def __init__(self, reservation_id: _Optional[str] = ..., pages: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., shm: _Optional[bool] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "reason")

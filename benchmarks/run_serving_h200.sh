@@ -17,14 +17,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   df -h /dev/shm | tail -1; nproc
   python3 -c "import grpc, google.protobuf, cupy; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'cupy', cupy.__version__)"
   echo "== bench_kv_transfer"
-  [ "${T_KV:-100}" -gt 0 ] && timeout "${T_KV:-100}" python3 benchmarks/bench_kv_transfer.py --pages 2048 --grpc-pages 128 --chunks 64,256 \
-    --reps 3 --out "$OUT/kv_transfer.json"
+  [ "${T_KV:-100}" -gt 0 ] && timeout "${T_KV:-100}" python3 benchmarks/bench_kv_transfer.py --pages 2048 --grpc-pages 128 \
+    --chunks "${KV_CHUNKS:-64,256}" --copiers "${KV_COPIERS:-auto}" ${KV_EXTRA:-} --reps 3 --out "$OUT/kv_transfer.json"
   echo "== bench_pd"
   [ "${T_PD:-100}" -gt 0 ] && timeout "${T_PD:-100}" python3 benchmarks/bench_pd.py --model synthetic --prompt-tokens 1024,4096 --reps 5 \
     --num-pages 2048 --kv-chunk-pages 64 --out "$OUT/pd.json"
   echo "== load_test"
-  [ "${T_LOAD:-100}" -gt 0 ] && timeout "${T_LOAD:-100}" python3 benchmarks/load_test.py --spawn synthetic --compare-offline --num-requests 256 \
-    --concurrency 128 --prompt-len uniform:128:512 --output-len uniform:64:128 --warmup-same --max-num-seqs 128 \
-    --num-pages 8192 --out "$OUT/load.json"
+  [ "${T_LOAD:-100}" -gt 0 ] && timeout "${T_LOAD:-100}" python3 benchmarks/load_test.py --spawn synthetic --compare-offline \
+    --num-requests "${LOAD_N:-256}" --concurrency "${LOAD_C:-128}" --prompt-len "${LOAD_P:-uniform:128:512}" \
+    --output-len "${LOAD_O:-uniform:64:128}" --warmup-same --max-num-seqs "${LOAD_C:-128}" --num-pages 8192 \
+    --out "$OUT/load.json"
   ls /dev/shm | grep tbjax-kv || echo "no shm segments left"
 } 2>&1 | tee "$OUT/log"

@@ -324,8 +324,8 @@ def main():
     NO_TRITON = {"xla_gpu_enable_triton_gemm": False}
     if "sweep" in sections:
         anchored = set()
-        for name, d, f in shapes:
-            for fp8 in dtypes:
+        for fp8, (name, d, f) in [(fp8, sh) for fp8 in dtypes for sh in shapes]:   # all bf16 rows first
+            if True:
                 if fp8 and args.fp8_shapes == "llama" and not name.startswith(("llama", "tiny")):
                     continue
                 itemsize = 1 if fp8 else 2

@@ -15,16 +15,22 @@ the H200's ~4.3 (issue 9). This kernel is built only to stream:
   SiLU*mul, and casts. In a model that epilogue fuses into the consumer of y.
 * Each CTA runs one software pipeline (`plgpu.emit_pipeline`) several stages deep over its
   whole run, so there is no pipeline restart at F-tile boundaries.
-* fp8 (e4m3) weights stay fp8 in HBM (half the bytes): each tile is converted to bf16 in SMEM
-  before the wgmma, with its 128x128-block scale folded in (one float32 scalar per block, read
-  from GMEM one pipeline step ahead); so block-scaled weights are rounded to bf16 after scaling
-  (relative error ~2^-9, as in DeepSeek's own bf16 dequantization). Per-channel scales are
-  applied exactly in float32 in the epilogue. Measured (H200, benchmarks/RESULTS.md): the
-  conversion by one warpgroup is the bottleneck, fp8 streams at only 0.8-1.8 TB/s.
+* fp8 (e4m3) weights stay fp8 in HBM (half the bytes). Default ("f16" path): each tile is
+  converted e4m3 -> f16 in SMEM (one `cvt.rn.f16x2.e4m3x2` per pair, exact: every e4m3 value is
+  an f16), the wgmma runs in f16 against x cast to f16(x * 2^-X_SHIFT) (exact for
+  2^-8 <= |x| <= 2^22, so activations past f16's 65504 are fine), and each 128x128 block scale
+  (times 2^X_SHIFT) multiplies a fresh float32 product per block: no rounding of scaled weights.
+  The older "bf16" path (fp8_via="bf16": e4m3 -> f32 * block scale -> bf16 in SMEM) is kept as an
+  option. Per-channel scales are applied exactly in float32 in the epilogue. The conversion's
+  SMEM round trip (TMA write, 16-bit-pair loads, f16 store, wgmma read: ~6 bytes of SMEM traffic
+  per weight byte) is what limits fp8 (benchmarks/RESULTS.md).
 * Several weight matrices of one shape (the gate/up pair) are streamed in one launch: every
   pipeline step brings the same tile of each, and each has its own accumulator.
 
-The plan (tile sizes, runs, slots) is static Python computed from the shapes.
+The plan (tile sizes, runs, slots) is static Python computed from the shapes. Options
+(TileConfig): ctas_per_sm, n_wg > 1 (warp-specialized kernel in gpu_ws.py: a TMA producer
+warpgroup and n_wg compute warpgroups splitting the F tile), deq_layout="8bit" (fp8 tiles loaded
+4 bytes per lane), deq_rows.
 
 Measured on an H200 (benchmarks/RESULTS.md, copy ceiling 4.24-4.28 TB/s): bf16 3.2-3.4 TB/s for
 the whole op on 117-235 MB matrices at T <= 8 (kernel alone up to 3.6), 2.1-2.6 on <= 50 MB

@@ -64,6 +64,11 @@ def main():
   ap.add_argument("--watchdog", type=float, default=0.0,
                   help="if > 0: exit with status 3 (results saved) when nothing progresses for this many seconds "
                        "(a hung kernel)")
+  ap.add_argument("--bf16-candidate", default="",
+                  help='JSON kwargs of a bf16 kernel variant timed next to the default in `grid`, e.g. '
+                       '\'{"block_kv": 64, "stages": 2, "split_policy": "waves"}\'')
+  ap.add_argument("--fp8-variants", default="",
+                  help="JSON list of fp8 kwargs for `fp8var` (default: run C's list)")
   ap.add_argument("--profile", default="full", choices=("full", "final", "r3"),
                   help="final: the reduced matrices of run B; r3: run C (fp8 kernel variants, small-batch "
                        "variants, Triton/sparse/prefill, then the bf16 + fp8 grid), fits the device budget")
@@ -102,7 +107,7 @@ def main():
   import numpy as np
 
   from pallas_kernels.paged_attention import gpu, reference, sparse
-  FP8_DEFAULT = gpu.FP8_CONVERTERS
+  FP8_DEFAULT, FP8_CONVERT_DEFAULT = gpu.FP8_CONVERTERS, gpu.FP8_CONVERT
 
   smoke = args.smoke
   impl_interp = smoke
@@ -319,6 +324,11 @@ def main():
                   (jnp.float8_e4m3fn, dict(fp8_converters=2, split_policy="waves"), {}),
                   (jnp.float8_e4m3fn, dict(fp8_converters=3, splits=1), dict(sliding_window=300, soft_cap=20.0)),
                   (jnp.float8_e5m2, dict(fp8_converters=2, block_kv=128, stages=2), {})]
+      if args.fp8_variants:  # run D: the integer-op widening
+        ws_cases = [(jnp.float8_e4m3fn, dict(fp8_converters=1, block_kv=128, stages=2, fp8_convert="bits"), {}),
+                    (jnp.float8_e4m3fn, dict(fp8_converters=2, fp8_convert="bits", splits=1),
+                     dict(sliding_window=300, soft_cap=20.0)),
+                    (jnp.float8_e5m2, dict(fp8_converters=1, fp8_convert="bits", split_policy="waves"), {})]
       for dt, kk, semantics in ws_cases:
         qq, kvv, btt, lns, scc = rand_problem(S=4, K=8, g=4, H=128, G=16, Pmax=40, dtype=dt)
         out = gpu.paged_decode_attention_gpu(qq, kvv, btt, lns, kv_scales_PK=scc, interpret=impl_interp, **kk,
@@ -330,17 +340,21 @@ def main():
                                             lens=[600, 37, 400])
       kmin = jnp.asarray(rng.standard_normal((kvv.shape[0], 4, 128)), jnp.float32)
       gpu.FP8_CONVERTERS = 2  # sparse follows the module default
+      if args.fp8_variants:
+        gpu.FP8_CONVERT = "bits"
       out, (_, logical, _) = sparse.paged_sparse_decode_attention(
           qq, kvv, btt, lns, kmin, kmin + 1.0, num_sink_pages=1, num_window_pages=2, top_k_pages=5, kv_scales_PK=scc,
           impl="gpu_interpret" if smoke else "gpu", return_selection=True)
-      gpu.FP8_CONVERTERS = FP8_DEFAULT
-      record("sparse float8_e4m3fn converters=2", out,
+      gpu.FP8_CONVERTERS, gpu.FP8_CONVERT = FP8_DEFAULT, FP8_CONVERT_DEFAULT
+      record(f"sparse float8_e4m3fn converters=2 {'bits' if args.fp8_variants else 'cvt'}", out,
              sparse.sparse_decode_attention_reference(qq, kvv, btt, lns, logical, kv_scales_PK=scc), rows=ws_rows)
       res["correctness_ws"] = ws_rows
       save()
     S, L, g = (8, contexts[1], 4) if not smoke else (2, contexts[-1], 4)
     q, bt, lens = decode_inputs(S, L, g)
     bf16_ms = timeit(bf_kernel(), q, kv, bt, lens)
+    ref8 = f32(jax.jit(lambda q, kv, bt, lens, sc: reference.paged_decode_attention_reference(
+        q, kv, bt, lens, kv_scales_PK=sc))(q, kv8, bt, lens, sc))
     variants = [dict(fp8_converters=0), dict(fp8_converters=0, split_policy="waves"),
                 dict(fp8_converters=1, split_policy="waves"),
                 dict(fp8_converters=2, split_policy="waves"), dict(fp8_converters=2),
@@ -348,18 +362,24 @@ def main():
                 dict(fp8_converters=3, split_policy="waves"),
                 dict(fp8_converters=2, block_kv=128, stages=2, split_policy="waves"),
                 dict(fp8_converters=1, block_kv=128, stages=2, split_policy="waves")]
+    if args.fp8_variants:
+      variants = json.loads(args.fp8_variants)
     if smoke:
-      variants = variants[:1] + [dict(fp8_converters=2, split_policy="waves")]
+      variants = variants[:2]
     best = None
     for kw in variants:
       if over_time():
         break
       row = {"S": S, "L": L, "g": g, "variant": kw, "bf16_ms": bf16_ms}
       try:
-        row["fp8_ms"] = timeit(f8_kernel(**kw), q, kv8, bt, lens, sc)
+        fk = f8_kernel(**kw)
+        row["fp8_ms"] = timeit(fk, q, kv8, bt, lens, sc)
         row["fp8_over_bf16"] = row["fp8_ms"] / bf16_ms
         row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
-        if best is None or row["fp8_ms"] < best[0]:
+        row["max_err_vs_ref"] = float(np.max(np.abs(f32(fk(q, kv8, bt, lens, sc)) - ref8)))
+        if not row["max_err_vs_ref"] < 3e-2:  # NaN too
+          row["rejected"] = "error vs the fp8-aware reference"
+        elif best is None or row["fp8_ms"] < best[0]:
           best = (row["fp8_ms"], kw)
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
@@ -639,6 +659,8 @@ def main():
     kv, kv8 = get_pool(), get_pool8()
     sc = jnp.full((P_total, 2 * K), 0.01, jnp.float32)
     fb, f8 = bf_kernel(), f8_kernel(**fp8_best)
+    cand = json.loads(args.bf16_candidate) if args.bf16_candidate else None
+    fc = bf_kernel(**cand) if cand else None
     sc = jnp.full((P_total, 2 * K), 0.02, jnp.float32)
     fr = jax.jit(lambda q, kv, bt, lens: reference.paged_decode_attention_reference(q, kv, bt, lens))
     fr8 = jax.jit(lambda q, kv, bt, lens, sc: reference.paged_decode_attention_reference(q, kv, bt, lens,
@@ -655,6 +677,12 @@ def main():
             row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
             if ceiling:
               row["pct_ceiling"] = 100 * row["TBps"] / ceiling
+            if fc is not None:
+              row["cand"] = cand
+              row["cand_ms"] = timeit(fc, q, kv, bt, lens)
+              row["cand_TBps"] = kv_bytes(S, L, 2) / (row["cand_ms"] * 1e-3) / 1e12
+              if ceiling:
+                row["cand_pct_ceiling"] = 100 * row["cand_TBps"] / ceiling
             row["fp8_ms"] = timeit(f8, q, kv8, bt, lens, sc)
             row["fp8_over_bf16"] = row["fp8_ms"] / row["ms"]
             row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
@@ -664,7 +692,10 @@ def main():
             try:
               row["ref_ms"] = timeit(fr, q, kv, bt, lens, iters=3)
               row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
-              row["max_err_vs_ref"] = float(np.max(np.abs(f32(fb(q, kv, bt, lens)) - f32(fr(q, kv, bt, lens)))))
+              ref_out = f32(fr(q, kv, bt, lens))
+              row["max_err_vs_ref"] = float(np.max(np.abs(f32(fb(q, kv, bt, lens)) - ref_out)))
+              if fc is not None:
+                row["cand_max_err_vs_ref"] = float(np.max(np.abs(f32(fc(q, kv, bt, lens)) - ref_out)))
               if "fp8_ms" in row:
                 row["fp8_max_err_vs_ref"] = float(np.max(np.abs(f32(f8(q, kv8, bt, lens, sc)) -
                                                                 f32(fr8(q, kv8, bt, lens, sc)))))

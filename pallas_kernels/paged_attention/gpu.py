@@ -77,6 +77,7 @@ class KernelConfig:
   p_via_smem: bool = False  # probabilities reach the PV wgmma through smem (required by the interpreter)
   NT: int = 0  # ragged: number of query tiles
   converters: int = 0  # fp8 decode: > 0 runs the warp-specialized kernel (gpu_fp8.py) with this many converter WGs
+  fp8_bits: bool = False  # warp-specialized kernel: widen fp8 with integer bit ops (H-permuted tiles, gpu_fp8.py)
 
   @property
   def R(self):  # q rows loaded per program (decode)
@@ -122,6 +123,7 @@ def ring_scratch(cfg):
 
 SMEM_LIMIT = 220 * 1024
 FP8_CONVERTERS = 0  # default converter warpgroups for fp8 decode (0: inline conversion)
+FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops)
 SPLIT_POLICY = "sms2"  # default split-K policy (choose_splits)
 
 
@@ -464,7 +466,7 @@ def combine_splits(o_part, m_part, l_part, K, g):
 
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
                 sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
-                fp8_converters=None, split_policy=None):
+                fp8_converters=None, split_policy=None, fp8_convert=None):
   S, N, H = q_shape
   P, G, K2, _ = pool_shape
   K = K2 // 2
@@ -474,6 +476,10 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   fp8_converters = FP8_CONVERTERS if fp8_converters is None else fp8_converters
   split_policy = SPLIT_POLICY if split_policy is None else split_policy
   converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
+  fp8_convert = FP8_CONVERT if fp8_convert is None else fp8_convert
+  if fp8_convert not in ("cvt", "bits"):
+    raise ValueError(f"fp8_convert must be 'cvt' or 'bits', got {fp8_convert!r}")
+  fp8_bits = bool(converters) and fp8_convert == "bits" and H % 128 == 0  # halves = whole swizzle tiles
   if converters:
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
     BK, st = gpu_fp8.choose_block_ws(G, H, converters)
@@ -508,7 +514,7 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
                       fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
                       soft_cap=None if soft_cap is None else float(soft_cap),
                       window=None if sliding_window is None else int(sliding_window), out_dtype=out_dtype,
-                      p_via_smem=p_via_smem, converters=converters)
+                      p_via_smem=p_via_smem, converters=converters, fp8_bits=fp8_bits)
 
 
 def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
@@ -542,32 +548,39 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
   if cfg.N != N:
     q = jnp.pad(q, ((0, 0), (0, cfg.N - N), (0, 0)))
   extra = (nsel, lp) if cfg.sparse else ()
+  if cfg.fp8_bits:  # the kernel's f16 K/V tiles hold the head dim in widen_permutation order
+    from . import gpu_fp8  # local import: gpu_fp8 imports this module
+    perm = gpu_fp8.widen_permutation(H)
+    q = q[..., perm]
   res = kernel_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, kv_scales_PK, interpret=interpret)
   if cfg.final:
     out = res
   else:
     o_part, m_part, l_part = res
     out = combine_splits(o_part, m_part, l_part, cfg.K, cfg.g)
+  if cfg.fp8_bits:
+    out = out[..., np.argsort(perm)]
   return out[:, :N].astype(q_SNH.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
-                                             "interpret", "fp8_converters", "split_policy"))
+                                             "interpret", "fp8_converters", "split_policy", "fp8_convert"))
 def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                                sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
-                               interpret=False, fp8_converters=None, split_policy=None):
+                               interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None):
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
 
   fp8_converters: fp8 pools only; 0 = conversion inline in the one warpgroup, > 0 = warp-specialized kernel
   (gpu_fp8.py) with that many converter warpgroups; None = FP8_CONVERTERS. split_policy: see choose_splits;
-  None = SPLIT_POLICY.
+  None = SPLIT_POLICY. fp8_convert: "cvt" | "bits" widening in the warp-specialized kernel; None = FP8_CONVERT.
   """
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
   cfg = make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
-                           p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy)
+                           p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy,
+                           fp8_convert=fp8_convert)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 

@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -51,6 +52,50 @@ def check_ws(cfg, converters):
     raise common.Unsupported(f"stages={cfg.stages} must be a multiple of converters={converters}")
 
 
+E4M3_BITS_FACTOR = 256.0  # the e4m3 bit trick yields value x 2^-8
+
+
+def widen_permutation(H):
+  """Column order of the bit-trick f16 tiles: column c holds head-dim element perm[c].
+
+  A 32-bit word of fp8 row data holds elements 4j..4j+3; its widened low word (4j, 4j+1) goes to f16 columns
+  2j, 2j+1 of the first half and its high word (4j+2, 4j+3) to the same columns of the second half, so each
+  half is written by one plain (unshuffled) store. QK^T is invariant when q is permuted the same way; the PV
+  output comes out permuted and is put back in order by the wrapper.
+  """
+  c = np.arange(H)
+  half = H // 2
+  j = (c % half) // 2
+  return 4 * j + 2 * (c // half) + c % 2
+
+
+def widen_words(w, fp8_name):
+  """u32 words of 4 fp8 values -> (lo, hi) u32 words of 2 f16 values each (elements 4j, 4j+1 and 4j+2, 4j+3),
+  with integer ops only. e5m2 bits << 8 are exactly the f16 bits; e4m3 b -> ((b & 0x80) << 8) | ((b & 0x7f) << 7)
+  is exactly e4m3 x 2^-8 (subnormals included; the 0x7f / 0xff NaN encodings become a finite 1.875 x 2^0).
+  Works on jnp arrays and on the kernel's register arrays alike."""
+  u = lambda x: jnp.asarray(x, jnp.uint32)
+  shl = lambda x, n: lax.shift_left(x, u(n))
+  shr = lambda x, n: lax.shift_right_logical(x, u(n))
+  if jnp.dtype(fp8_name) == jnp.dtype(jnp.float8_e5m2):
+    lo = (shl(w, 8) & u(0xFF00)) | (shl(w, 16) & u(0xFF000000))
+    hi = (shr(w, 8) & u(0xFF00)) | (w & u(0xFF000000))
+  else:
+    lo = ((shl(w, 8) & u(0x8000)) | (shl(w, 7) & u(0x3F80))) | ((shl(w, 16) & u(0x80000000)) |
+                                                              (shl(w, 15) & u(0x3F800000)))
+    hi = ((shr(w, 8) & u(0x8000)) | (shr(w, 9) & u(0x3F80))) | ((w & u(0x80000000)) | (shr(w, 1) & u(0x3F800000)))
+  return lo, hi
+
+
+def _widen_bits(src32, dst32, fp8_name):
+  """fp8 tile [BK, H] seen as u32 [BK, H/4] -> f16 tile [BK, H] seen as u32 [BK, H/2], in widen_permutation
+  order: the low words fill the first half of each row, the high words the second."""
+  lo, hi = widen_words(src32[...], fp8_name)
+  hw = src32.shape[-1]
+  dst32.at[:, pl.ds(0, hw)][...] = lo
+  dst32.at[:, pl.ds(hw, hw)][...] = hi
+
+
 def _kernel_ws(cfg, C, *refs):
   it = iter(refs)
   q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
@@ -60,13 +105,15 @@ def _kernel_ws(cfg, C, *refs):
   o_ref = next(it)
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
-  q_smem, kq_smem, vq_smem, union, tma_bars, ready_bars, free_bars, q_bar = (next(it) for _ in range(8))
+  q_smem, ring, union, tma_bars, ready_bars, free_bars, q_bar = (next(it) for _ in range(7))
   p_smem = next(it) if cfg.p_via_smem else None
-  (k16, v16), (o_smem, ml_smem) = union
+  (kq_smem, vq_smem), (kq32, vq32) = ring
+  (k16, v16), (k32, v32), (o_smem, ml_smem) = union
 
   G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
   cdt = jnp.dtype(jnp.float16)
   F = staging_slots(C)
+  widen = E4M3_BITS_FACTOR if (cfg.fp8_bits and jnp.dtype(cfg.fp8) == jnp.dtype(jnp.float8_e4m3fn)) else 1.0
   wg = lax.axis_index("wg")
   k = lax.axis_index("kvh")
   s = lax.axis_index("seq")
@@ -134,8 +181,12 @@ def _kernel_ws(cfg, C, *refs):
       def _():
         plgpu.barrier_wait(free_bars.at[fslot])
 
-      k16.at[fslot][...] = kq_smem[slot].astype(cdt)
-      v16.at[fslot][...] = vq_smem[slot].astype(cdt)
+      if cfg.fp8_bits:
+        _widen_bits(kq32.at[slot], k32.at[fslot], cfg.fp8)
+        _widen_bits(vq32.at[slot], v32.at[fslot], cfg.fp8)
+      else:
+        k16.at[fslot][...] = kq_smem[slot].astype(cdt)
+        v16.at[fslot][...] = vq_smem[slot].astype(cdt)
       plgpu.commit_smem()  # fence + warpgroup barrier: the f16 tiles are visible to wgmma, the fp8 slot is read
       plgpu.barrier_arrive(ready_bars.at[fslot])
 
@@ -206,7 +257,7 @@ def _kernel_ws(cfg, C, *refs):
           pos = b * BK + col
         ksc, vsc = k_scales[0], v_scales[0]
 
-      logits = logits * cfg.scale * ksc
+      logits = logits * (cfg.scale * widen) * ksc
       if cfg.soft_cap is not None:
         logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
       valid = pos < kv_len
@@ -236,6 +287,8 @@ def _kernel_ws(cfg, C, *refs):
     m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+    if widen != 1.0:  # V tiles were widened as value x 2^-8 (e4m3 bit trick): one multiply at the end
+      acc = acc * widen
 
     # Output staging aliases the f16 staging tiles: every conversion was consumed above (the loop waited each
     # `ready`), so no converter writes them any more.
@@ -266,13 +319,22 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.dtype(jnp.float32)
   ring = (cfg.stages, BK, H)
   arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
+  u32 = jnp.dtype(jnp.uint32)
+  ring32 = (cfg.stages, BK, H // 4)
   scratch = [
       plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt)),
-      plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
-      plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+      # fp8 ring, and its 32-bit-word view (same bytes: 8-row tiles of H bytes, same swizzle) for the bit trick
+      plgpu.RefUnion(
+          (plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
+           plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H))),
+          (plgpu.SMEM(ring32, u32, transforms=_tiles(u32, H // 4)),
+           plgpu.SMEM(ring32, u32, transforms=_tiles(u32, H // 4))),
+      ),
       plgpu.RefUnion(
           (plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt)),
            plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt))),
+          (plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2)),
+           plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2))),
           (plgpu.SMEM((ROWS, H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32)),
       ),
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages),

@@ -231,7 +231,7 @@ def test_shm_roundtrip_bit_exact_only_control_on_the_wire(n_pages, chunk_pages):
                     async for c in super()._shm_chunks(*a):
                         sent.append(c)
                         yield c
-            st = await Recording(ch, chunk_pages=chunk_pages).send("s1", pages, num_tokens=3)
+            st = await Recording(ch, chunk_pages=chunk_pages, fast_chunk_bytes=0).send("s1", pages, num_tokens=3)
             assert st.shm and st.raw_bytes == pages.nbytes and st.wire_bytes == 0
             assert len(sent) == -(-n_pages // chunk_pages) and all(c.in_shm and not c.payload for c in sent)
             (rid, ids, _), = ev["ready"]
@@ -242,6 +242,27 @@ def test_shm_roundtrip_bit_exact_only_control_on_the_wire(n_pages, chunk_pages):
         return name
     name = asyncio.run(main())
     assert name not in _shm_files() and _shm_files() == before       # the receiver unlinked its segment
+
+
+def test_shm_chunks_hold_at_least_fast_chunk_bytes():
+    pages = random_pages(20, np.random.default_rng())           # 384 bytes a page
+
+    async def main():
+        async with receiver_server(shm_bytes=1 << 20) as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+            sent = []
+
+            class Recording(KVSender):
+                async def _shm_chunks(self, *a):
+                    async for c in super()._shm_chunks(*a):
+                        sent.append(c.num_pages)
+                        yield c
+            st = await Recording(ch, chunk_pages=2, fast_chunk_bytes=7 * 384).send("big", pages)
+            assert st.shm and sent == [7, 7, 6]                 # not 10 chunks of 2
+            (_, ids, _), = ev["ready"]
+            assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
+            st = await KVSender(ch, chunk_pages=2, shm=False, fast_chunk_bytes=7 * 384).send("grpc", pages[:10])
+            assert not st.shm                                   # the byte stream keeps chunk_pages
+    asyncio.run(main())
 
 
 def test_shm_checksum_matches_numpy_reference_and_catches_flips():
@@ -275,7 +296,7 @@ def test_shm_corruption_is_data_loss_and_frees_reservation_and_region():
         async with receiver_server(shm_bytes=1 << 20) as (addr, pool, rx, ev, _), \
                 grpc.aio.insecure_channel(addr) as ch:
             with pytest.raises(TransferError) as e:
-                await Corrupting(ch, chunk_pages=2).send("bad", random_pages(6, np.random.default_rng()))
+                await Corrupting(ch, chunk_pages=2, fast_chunk_bytes=0).send("bad", random_pages(6, np.random.default_rng()))
             assert e.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.message
             assert pool.num_free == 32 and rx.num_open == 0 and rx.arena.num_regions == 0
             assert ev["failed"][0][0] == "bad"
@@ -323,7 +344,7 @@ def test_fp8_scales_travel_with_the_pages(shm):
         rx.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                st = await KVSender(ch, chunk_pages=2).send("f", pages, scales=scales)
+                st = await KVSender(ch, chunk_pages=2, fast_chunk_bytes=0).send("f", pages, scales=scales)
                 assert st.shm == shm
                 (_, ids, _), = got
                 assert np.array_equal(pool.data[ids].view(np.uint8), pages.view(np.uint8))
@@ -358,7 +379,7 @@ SHM_SENDER_SCRIPT = textwrap.dedent("""
 
     async def main():
         async with grpc.aio.insecure_channel(addr) as ch:
-            await Dying(ch, chunk_pages=2).send("doomed", np.ones((10, *shape), ml_dtypes.bfloat16))
+            await Dying(ch, chunk_pages=2, fast_chunk_bytes=0).send("doomed", np.ones((10, *shape), ml_dtypes.bfloat16))
     asyncio.run(main())
 """)
 

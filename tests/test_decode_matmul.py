@@ -110,7 +110,8 @@ KERNEL_CASES = [
     (6, 512, 384, "block", gpu.TileConfig(256, 128, fp8_via="f16"), 4),   # two scale blocks per step
     (17, 512, 256, "block", gpu.TileConfig(128, 64, fp8_via="f16", deq_rows=64), 6),
     (64, 384, 256, "block", F16, 7),
-    (12, 512, 256, "block", gpu.TileConfig(128, 128, fp8_via="f16", deq_layout="8bit"), 5),
+    (12, 512, 256, "block", gpu.TileConfig(128, 128, fp8_via="f16", deq_layout="auto"), 5),
+    (3, 256, 512, "block", None, 3),        # auto: warp-specialized, two warpgroups over tile_f 256
     (8, 512, 384, "block", gpu.TileConfig(128, 128, fp8_via="bf16"), 5),   # the bf16-folding path
     # warp-specialized kernel (gpu_ws.py): a TMA producer warpgroup + 2 compute warpgroups
     (5, 256, 512, "bf16", gpu.TileConfig(128, 128, n_wg=2), 3),
@@ -144,6 +145,19 @@ def test_fp8_f16_path_x_range(x_scale):
     x = (x.astype(jnp.float32) * x_scale).astype(jnp.bfloat16)
     y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=F16, num_sms=3, interpret=True)
     assert_close(y, reference.decode_matmul_reference(x, w, w_scale=s), seed, 4e-3)
+
+
+def test_auto_config_choices():
+    """The measured choices (RESULTS.md): fp8 through f16 with the 8-bit load layout; fp8 block-scaled
+    at T <= 8 on the warp-specialized kernel; bf16 tile_f 64 at 32 <= Tp <= 64 only."""
+    c = gpu.auto_config(5, 4096, 4096, 1, 1, True, 132)
+    assert (c.fp8_via, c.deq_layout, c.n_wg, c.tile_f) == ("f16", "8bit", 2, 256)
+    c = gpu.auto_config(64, 4096, 4096, 1, 1, True, 132)
+    assert (c.fp8_via, c.n_wg, c.tile_f) == ("f16", 1, 128)
+    assert gpu.auto_config(5, 4096, 4096, 2, 1, True, 132).n_wg == 1          # fused pair: one warpgroup
+    assert gpu.auto_config(32, 4096, 6144, 1, 2, False, 132).tile_f == 64
+    assert gpu.auto_config(128, 4096, 6144, 1, 2, False, 132).tile_f == 128
+    assert gpu.auto_config(8, 4096, 6144, 1, 2, False, 132).tile_f == 128
 
 
 def test_stream_k_split_and_poisoned_slots():

@@ -72,7 +72,9 @@ class TileConfig:
     # compute warpgroups per CTA; > 1 selects the warp-specialized kernel (gpu_ws.py): a TMA
     # producer warpgroup plus n_wg compute warpgroups, each taking tile_f / n_wg of the F rows
     n_wg: int = 1
-    deq_layout: str = "auto"   # "8bit": load fp8 tiles in the WGMMA_8BIT register layout
+    # "8bit": load fp8 tiles in the WGMMA_8BIT register layout (4 bytes per lane, full-width SMEM
+    # loads; H200: +0-21%); "auto": Mosaic's inferred layout (the WGMMA layout, 2 bytes per lane)
+    deq_layout: str = "8bit"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Plan:
     fp8_via: str = "bf16"
     deq_rows: int = 64
     n_wg: int = 1
-    deq_layout: str = "auto"   # "8bit": load fp8 tiles in the WGMMA_8BIT register layout
+    deq_layout: str = "8bit"
 
 
 def padded_t(t: int) -> int:
@@ -364,15 +366,23 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
     <= 128. Among the D steps that divide D, pick the one with the most weight bytes in flight
     ((stages - 1) * weight bytes per stage), preferring larger steps on ties.
 
-    bf16 at Tp >= 32 prefers tile_f = 64: each CTA then covers twice the D range per F tile, so
-    its float32 partials (n_CTAs x tile_f x Tp x 4 bytes, written then re-read by the epilogue)
-    halve; measured +5-12% on 4096x{4096,6144} at T = 32/64 (RESULTS.md, variants run) despite
-    the doubled x-tile reads. fp8 goes through f16 ("f16" path, 128-row conversion rounds):
-    1.2-1.4x the bf16-folding path in the same run, and exact.
+    bf16 at 32 <= Tp <= 64 prefers tile_f = 64: each CTA then covers twice the D range per F
+    tile, so its float32 partials (n_CTAs x tile_f x Tp x 4 bytes, written then re-read by the
+    epilogue) halve; measured +5-12% on the <= 50 MB matrices at T = 32/64 in one run (RESULTS.md),
+    neutral on 4096x28672; at T = 128 it was slower (not preferred there). fp8 goes through f16
+    (TileConfig defaults: 128-row conversion rounds, 8-bit load layout), 1.25-1.5x the bf16-folding
+    path in one run, and exact. fp8 with block scales at Tp = 8 (T <= 8), one matrix, F % 256 == 0
+    takes the warp-specialized kernel with two compute warpgroups over a 256-row F tile (+5-13%
+    over the single warpgroup in the same run on 4096x4096 and 4096x28672).
     """
     tp = padded_t(t)
     fp8 = w_itemsize == 1
-    pref_f = 64 if (not fp8 and tp >= 32) else 128
+    if fp8 and block_scaled and n_mats == 1 and tp == 8 and f % 256 == 0 and d % 128 == 0:
+        ws = TileConfig(tile_d=128, tile_f=256, n_wg=2, smem_budget=224 * 1024)
+        plan = make_plan(d, f, t, n_mats, w_itemsize, ws, num_sms)
+        if plan.stages >= min(2, plan.n_per):
+            return ws
+    pref_f = 64 if (not fp8 and 32 <= tp <= 64) else None
     best, best_key = None, None
     for tile_f in (128, 64):
         if f % tile_f or n_mats * tile_f * tp // 128 > 128:
@@ -384,7 +394,8 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
             plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms)
             if plan.stages < min(2, plan.n_per):
                 continue
-            key = (tile_f == pref_f, min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize,
+            key = (pref_f is None or tile_f == pref_f,
+                   min(plan.stages - 1, plan.n_per) * n_mats * tile_d * tile_f * w_itemsize,
                    tile_f, tile_d)
             if best_key is None or key > best_key:
                 best, best_key = cfg, key

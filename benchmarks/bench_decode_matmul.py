@@ -13,12 +13,17 @@ What it measures, all in one process and one run so ratios are comparable:
   5. tune:    a few tile configurations on one shape;
   6. flags:   (subprocess) the XLA loop variants again under default XLA flags (the main
               process runs with --xla_gpu_enable_triton_gemm=false).
+  variants:   kernel options (TileConfig fields) against the auto plan on a few shapes, each checked
+              against the reference (VARIANT_SHAPES=name:dtype,... picks the shapes).
   smoke:      fp8 unscaled / per-channel / block-scaled and bf16, each against the reference
               (SMOKE_KINDS picks; exit code 3 if one fails). tune: a few tile configurations.
 Each timed call runs L layers (L chosen so a call streams >= ~1.5 GB, far above the 50 MB L2);
 10 calls are queued back to back and timed together (host dispatch hidden), median of 3.
 
+The sweep's XLA column is the better of two executables compiled in this process: triton GEMM on
+(XLA's default) and off (cuBLAS), set per executable with compile(compiler_options=...).
 Run: python3 benchmarks/bench_decode_matmul.py --out DIR   (DIR gets bench_decode_matmul.json)
+     e.g. --sections ceiling,variants,sweep --fp8-shapes llama --no-kernel-only --stream-gb 0.45
      --dry: tiny shapes in interpret mode on CPU, to check the script itself.
 """
 from __future__ import annotations

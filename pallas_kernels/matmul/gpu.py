@@ -32,9 +32,11 @@ The plan (tile sizes, runs, slots) is static Python computed from the shapes. Op
 warpgroup and n_wg compute warpgroups splitting the F tile), deq_layout="8bit" (fp8 tiles loaded
 4 bytes per lane), deq_rows.
 
-Measured on an H200 (benchmarks/RESULTS.md, copy ceiling 4.24-4.28 TB/s): bf16 3.2-3.4 TB/s for
-the whole op on 117-235 MB matrices at T <= 8 (kernel alone up to 3.6), 2.1-2.6 on <= 50 MB
-matrices, falling with T (1.2-2.4 at T=128); fp8 with block scales 0.8-1.8 TB/s of fp8 bytes.
+Measured on an H200 (benchmarks/RESULTS.md, copy ceiling 4.26 TB/s in the same run, git 4dfb16d):
+bf16 whole op 3.3-3.4 TB/s on the 117-235 MB Llama-8B matrices at T <= 8 (78-80%), 2.3-2.5 on
+the <= 50 MB ones, falling with T; a fit over shapes gives a stream rate of 3.7 TB/s (87%) at
+T <= 8 plus a fixed ~6 us per call, which is what holds the small matrices back. fp8 with block
+scales (f16 path) 1.2-2.1 TB/s of fp8 bytes, up to 2.75 with the defaults chosen after that run.
 """
 from __future__ import annotations
 

@@ -224,7 +224,8 @@ def test_gate_up_large_t_falls_back_to_two_launches():
     (8, "bf16", 1, 4, gpu.TileConfig(64, 256, n_wg=2)), (64, "bf16", 1, None, gpu.TileConfig(128, 128, n_wg=2)),
     (8, "block", 2, 3, gpu.TileConfig(128, 128, fp8_via="f16", n_wg=2)),
     (64, "block", 1, None, gpu.TileConfig(128, 128, fp8_via="f16", n_wg=2)),
-    (8, "block", 1, 2, gpu.TileConfig(128, 128, fp8_via="f16", deq_layout="8bit"))])
+    (8, "block", 1, 2, gpu.TileConfig(128, 128, fp8_via="f16", deq_layout="8bit")),
+    (1, "block", 1, 4, None)])                              # auto: the warp-specialized kernel
 def test_lowers_for_cuda(t, kind, mats, layers, cfg):
     d, f = 1024, 2048
     pre = () if layers is None else (layers,)

@@ -541,7 +541,11 @@ _MAPPINGS: dict[str, kv_shm.ShmMapping] = {}     # receivers' segments this proc
 
 def _mapping(name: str) -> kv_shm.ShmMapping:
     m = _MAPPINGS.get(name)
-    if m is None or not os.path.exists(m.path):      # a receiver that restarted made a new segment
+    if m is None:
+        for old, om in list(_MAPPINGS.items()):     # segments of receivers that went away: unmap (frees the RAM)
+            if not os.path.exists(om.path):
+                om.close()
+                del _MAPPINGS[old]
         m = _MAPPINGS[name] = kv_shm.ShmMapping(name)
     return m
 

@@ -183,9 +183,11 @@ class PrefillService(_Base):
         finally:
             if not exported:     # the held pages go back (done, refused, or the router went away)
                 self.engine_loop.abort(rid)
+        stall = bool(self.stall_prefix and rid.startswith(self.stall_prefix))
         sender = KVSender(self._channel(target), codecs=self.codecs, chunk_pages=self.chunk_pages,
                           timeout_s=self.timeout_s, shm=self.shm, copier=self.copier,
-                          stall_after_chunks=1 if self.stall_prefix and rid.startswith(self.stall_prefix) else None)
+                          stall_after_chunks=1 if stall else None,
+                          **({"fast_chunk_bytes": 0} if stall else {}))    # the hook needs several chunks
         t0 = time.perf_counter()
         try:
             st = await sender.send(rid, kv.device_pages, kv.num_tokens, num_pages=kv.num_pages,

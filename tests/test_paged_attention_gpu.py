@@ -157,3 +157,36 @@ def test_gpu_kernel_refuses_shapes_it_cannot_run(dtype, H, G, why):
   q, kv, bt, lens, _ = random_decode(rng, S=2, K=2, g=2, H=H, G=G, Pmax=2, dtype=dtype)
   with pytest.raises(common.Unsupported, match=why):
     gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_bit_widening_is_exact_for_every_byte(dtype):
+  """The integer-op widening (fp8_convert="bits") against JAX's own fp8 -> f32 conversion, for all 256 bytes in
+  every position of a 32-bit word, including the head-dim permutation the kernel's f16 tiles use.
+  (The interpreter cannot run the bits kernel: it does not alias RefUnion views.)"""
+  H = 128
+  bytes_ = np.stack([np.roll(np.arange(256, dtype=np.uint8), r) for r in range(H)], axis=1)[:, :H]  # [256, H]
+  vals = np.asarray(jnp.asarray(bytes_.view(jnp.dtype(dtype)), jnp.float32), np.float64)
+  finite = np.isfinite(vals)
+  words = jnp.asarray(bytes_.view(np.uint32))  # [256, H / 4]
+  lo, hi = gpu_fp8.widen_words(words, jnp.dtype(dtype).name)
+  f16 = np.concatenate([np.asarray(lo), np.asarray(hi)], axis=1).view(np.float16).astype(np.float64)
+  factor = gpu_fp8.E4M3_BITS_FACTOR if dtype == jnp.float8_e4m3fn else 1.0
+  perm = gpu_fp8.widen_permutation(H)
+  np.testing.assert_array_equal((f16 * factor)[finite[:, perm]], vals[:, perm][finite[:, perm]])
+  assert sorted(perm.tolist()) == list(range(H))
+
+
+def test_fp8_decode_default_kernel_choice():
+  """fp8 decode runs the warp-specialized kernel by default (1 converter, 128-token steps), except where its f16
+  staging cannot fit in shared memory (head dim 256): there the inline-conversion kernel runs, not the
+  reference fallback. bf16 decode: 64-token steps x 2 stages; ragged prefill keeps 128 x 2."""
+  kw = dict(scale=1.0, soft_cap=None, sliding_window=None, out_dtype="bfloat16")
+  c128 = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.float8_e4m3fn, 512, **kw)
+  assert (c128.converters, c128.BK, c128.stages) == (1, 128, 2)
+  c256 = gpu.make_config((8, 32, 256), (4096, 16, 16, 256), jnp.float8_e4m3fn, 512, **kw)
+  assert c256.converters == 0
+  b = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 512, **kw)
+  assert (b.converters, b.BK, b.stages) == (0, 64, 2)
+  r = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 512, ragged_tiles=10, **kw)
+  assert (r.BK, r.stages, r.splits) == (128, 2, 1)

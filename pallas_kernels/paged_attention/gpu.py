@@ -23,10 +23,13 @@ Design notes
 - Pool content at positions >= kv_len must be finite (a zero-initialized pool and write_kv ensure it): a
   masked probability is 0, but 0 * NaN would still poison the PV product.
 
-Measured on one H200 (benchmarks/RESULTS.md, 2026-11-29): bf16 decode at 8 kv heads x 128, page 16 reads KV
-at 4.2-4.4 TB/s (97-102% of the copy ceiling) from batch 32 x 8k up, 5-6x the jnp reference; small batch x
-short context is latency-bound (batch 1 x 32k: 2.9 TB/s). fp8 pools run 1.4x SLOWER than bf16 (the fp8 -> f16
-conversion sits on the one warpgroup's critical path): a known gap, see RESULTS.md.
+Measured on one H200 (benchmarks/RESULTS.md "Paged attention", run D, 2026-11-29; 8 kv heads x 128, page 16,
+GQA 4): bf16 decode with the current defaults (64-token steps x 2 stages, two CTAs per SM, "waves" split-K)
+reads KV at 78-105% of the copy ceiling from batch 8 x 1k up (batch 32 x 1k: 91%, 0.035 ms; batch 8 x 8k:
+94%), 1.0-1.33x faster than the previous defaults (128 x 2, "sms2") and 1.6-1.9x faster than JAX's deprecated
+Triton paged_attention (run C). Batch 1 stays latency-bound (14-77%). fp8 pools run in gpu_fp8.py's
+warp-specialized kernel: 0.64x the previous fp8 time, but still 1.09-1.38x the bf16 time (goal <= 0.6x NOT
+met; see gpu_fp8.py for what limits it).
 """
 from __future__ import annotations
 
@@ -122,9 +125,11 @@ def ring_scratch(cfg):
 
 
 SMEM_LIMIT = 220 * 1024
-FP8_CONVERTERS = 0  # default converter warpgroups for fp8 decode (0: inline conversion)
-FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops)
-SPLIT_POLICY = "sms2"  # default split-K policy (choose_splits)
+FP8_CONVERTERS = 1  # converter warpgroups for fp8 decode (0: inline conversion); H200 run D: 1 converter,
+#                    128-token steps x 2 stages = 0.64x the inline kernel's time at batch 8 x 8k
+FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops,
+#                      1.4-1.6x slower than cvt on the H200, run D)
+SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape (runs C, D)
 
 
 def smem_bytes(BK, H, stages, fp8, p_via_smem=False):
@@ -134,17 +139,21 @@ def smem_bytes(BK, H, stages, fp8, p_via_smem=False):
   return ROWS * H * 2 + max(ring, out) + 1024
 
 
-def choose_block(G: int, H: int, fp8: bool) -> tuple[int, int]:
-  """(BK tokens per step, stages), from the H200 tuning run (benchmarks/RESULTS.md, 2026-11-29).
+def choose_block(G: int, H: int, fp8: bool, ragged: bool = False) -> tuple[int, int]:
+  """(BK tokens per step, stages) of the one-warpgroup kernel, from the H200 runs (benchmarks/RESULTS.md).
 
-  bf16: 128-token steps, 2 stages (4.26 TB/s at batch 32 x 8k vs 3.99 for 64 x 3 and 3.88 for 64 x 6).
-  fp8: 64-token steps, 3 stages: ~97 KiB of shared memory, so two CTAs share an SM and one CTA's fp8 -> f16
-  conversion overlaps the other's loads and matmuls.
+  bf16 decode: 64-token steps x 2 stages (~81 KiB of shared memory, two CTAs per SM, so one CTA's prologue and
+  epilogue overlap the other's streaming): with the "waves" split policy 78-105% of the copy ceiling from
+  batch 8 x 1k up (run D), where 128 x 2 (one CTA per SM) gave 59-104%. Ragged prefill keeps 128 x 2.
+  fp8 (inline conversion; decode normally runs the warp-specialized kernel, see gpu_fp8.choose_block_ws):
+  64-token steps, 3 stages.
   """
   if fp8:
     BK, stages = (64 if G <= 64 else min(G, 128)), 3
+  elif ragged:
+    BK, stages = 128, 2
   else:
-    BK, stages = (128 if G <= 128 else 128), 2
+    BK, stages = 64, 2
   while stages > 2 and smem_bytes(BK, H, stages, fp8) > SMEM_LIMIT:
     stages -= 1
   return BK, stages
@@ -476,6 +485,11 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   fp8_converters = FP8_CONVERTERS if fp8_converters is None else fp8_converters
   split_policy = SPLIT_POLICY if split_policy is None else split_policy
   converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
+  if converters and block_kv is None and stages is None:
+    from . import gpu_fp8  # local import: gpu_fp8 imports this module
+    bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters)
+    if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters) > SMEM_LIMIT:
+      converters = 0  # e.g. H = 256: the f16 staging does not fit; the inline kernel does
   fp8_convert = FP8_CONVERT if fp8_convert is None else fp8_convert
   if fp8_convert not in ("cvt", "bits"):
     raise ValueError(f"fp8_convert must be 'cvt' or 'bits', got {fp8_convert!r}")
@@ -484,7 +498,7 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
     BK, st = gpu_fp8.choose_block_ws(G, H, converters)
   else:
-    BK, st = choose_block(G, H, fp8)
+    BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles))
   BK = block_kv or BK
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):

@@ -14,7 +14,23 @@ benchmarks/RESULTS.md). Here the work of one program is split over warpgroups:
 
 So the conversion of step i+1.. overlaps the matmuls and softmax of step i, and C warpgroups share the
 conversion work. Semantics, masking, split-K partials and the output layout are exactly gpu.py's (the same
-KernelConfig, combine and wrappers), so gpu.py routes fp8 decode here when `fp8_impl="ws"`.
+KernelConfig, combine and wrappers); gpu.py routes fp8 decode here when fp8_converters > 0 (default
+gpu.FP8_CONVERTERS = 1).
+
+fp8_convert="bits" widens with integer ops instead of cvt (e5m2: b << 8; e4m3: sign/exponent-mantissa shifts,
+exactly value x 2^-8, the 2^8 folded into the logit scale and one multiply of the output), on 32-bit words of
+the same shared memory (RefUnion views), writing the head dim in widen_permutation order (q is permuted to
+match, the output permuted back). Exact, but slower than cvt on the H200.
+
+Measured (H200, benchmarks/RESULTS.md runs C and D, batch 8 x 8k, GQA 4, bf16 = 0.080 ms with the old bf16
+defaults / 0.067 ms with the new): inline conversion 0.116 ms ("sms2" splits) / 0.079 ("waves"); this kernel
+with 1 converter x 128-token steps 0.074 (the default), 1-3 converters x 64-token steps 0.085, 2 converters x
+128 0.084; "bits" 0.091-0.119. More converter warpgroups do not help and integer widening is slower, and the
+fp8 kernel moves tokens at about the bf16 kernel's token rate (fp8/bf16 time 0.9-1.1 at equal split policy).
+Hypothesis (not profiled): once the bytes halve, the limit is the single compute warpgroup's serial per-step
+chain (QK wgmma -> softmax -> PV wgmma at M=64 rows of which 4-8 are used), not the conversion.
+Next steps, not done: two compute warpgroups on alternate steps (own acc/m/l, merged through shared memory at
+the end), or two CTAs per SM (64-token steps need ~113 KiB, at the edge of half an SM's shared memory).
 """
 from __future__ import annotations
 
@@ -367,9 +383,12 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
 
 
 def choose_block_ws(G, H, converters):
-  """(BK, stages) defaults for the warp-specialized kernel: 64-token steps, 2 fp8 slots per converter."""
-  BK = 64 if G <= 64 else min(G, 128)
-  stages = 2 * converters
+  """(BK, stages) defaults for the warp-specialized kernel. H200 run D, batch 8 x 8k: one converter with
+  128-token steps x 2 stages 0.074 ms, two converters x 64 x 4 0.085, three 0.085 (run C)."""
+  if converters == 1:
+    BK, stages = min(G, 128) if G > 64 else 128, 2
+  else:
+    BK, stages = (64 if G <= 64 else min(G, 128)), 2 * converters
   while stages > converters and smem_bytes_ws(BK, H, stages, converters) > 220 * 1024:
     stages -= converters
   return BK, stages

@@ -243,6 +243,24 @@ def test_lowers_for_cuda(t, kind, mats, layers, cfg):
     assert "mosaic_gpu" in text
 
 
+def test_a_layer_loop_lowers_the_kernel_once():
+    """Startup: a decode step calls the kernel once per layer with identical shapes; the Mosaic module must be
+    lowered (and embedded in the program) once, not once per layer (it was ~0.3 s and ~0.4 MB per call site)."""
+    d, f, L = 1024, 2048, 6
+    x = jax.ShapeDtypeStruct((8, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((L, d, f), jnp.bfloat16)
+    w2 = jax.ShapeDtypeStruct((L, f, d), jnp.bfloat16)
+
+    def step(x, w, w2):
+        for i in range(L):
+            h = gpu.decode_matmul_gpu(x, w, layer=i, num_sms=132)
+            x = x + gpu.decode_matmul_gpu(h, w2, layer=i, num_sms=132)
+        return x
+    text = jax.jit(step).trace(x, w, w2).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == 2          # two distinct kernels (D->F and F->D), each lowered once
+    assert text.count("call @") >= 2 * L or text.count("func.call") >= 2 * L
+
+
 # ---- XLA (TPU) path ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "channel", "block"])

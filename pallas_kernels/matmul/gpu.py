@@ -41,6 +41,7 @@ scales (f16 path) 1.2-2.1 TB/s of fp8 bytes, up to 2.75 with the defaults chosen
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -453,10 +454,20 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     args += list(ws)
     if block_scaled:
         args += list(scales)
+    return _jitted_kernel(plan, jnp.dtype(ws[0].dtype), block_scaled, stacked, interpret)(*args), plan
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_kernel(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
+    """One jitted callable per static configuration. A decode step calls the kernel with identical operand shapes
+    once per layer (the layer index is an operand); through one jitted function JAX lowers the Mosaic module once
+    and emits a call per layer, instead of re-lowering it per call site: measured on a CPU lowering of an 8-layer
+    Llama-8B decode step for cuda, 10 s of lowering and a 4.4 MB module before this (a 32-layer step spent 35 s
+    lowering on the H200)."""
     if plan.n_wg > 1:
         from pallas_kernels.matmul.gpu_ws import kernel_call_ws
-        return kernel_call_ws(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
-    return _kernel_call(plan, ws[0].dtype, block_scaled, stacked, interpret)(*args), plan
+        return jax.jit(kernel_call_ws(plan, w_dtype, block_scaled, stacked, interpret))
+    return jax.jit(_kernel_call(plan, w_dtype, block_scaled, stacked, interpret))
 
 
 def reduce_partials(part, plan: Plan, t: int):

@@ -53,6 +53,9 @@ def test_gpu_decode_fp8_matches_fp8_aware_reference(dtype, G):
     (2, jnp.float8_e4m3fn, 16, dict(split_policy="waves", sliding_window=150, soft_cap=5.0)),
     # three converters (register rebalancing), e5m2, pages of 32 (two pages per 64-token step), single split
     (3, jnp.float8_e5m2, 32, dict(splits=1)),
+    # two compute warpgroups on alternate steps (each writes one split-K partial), window
+    (1, jnp.float8_e4m3fn, 16, dict(fp8_compute_wgs=2, splits=2, sliding_window=170)),
+    (1, jnp.float8_e5m2, 32, dict(fp8_compute_wgs=2, splits=1, soft_cap=5.0)),
 ])
 def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(monkeypatch, converters, dtype, G, kw):
   """The converter/compute warpgroup kernel (gpu_fp8.py), run with the interpreter's race detector on."""
@@ -61,8 +64,8 @@ def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(monkeypatch, conve
   q, kv, bt, lens, sc = random_decode(rng, S=3, K=2, g=4, H=64, G=G, Pmax=max(2, 320 // G), dtype=dtype)
   out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=converters,
                                        **kw)
-  kw.pop("splits", None)
-  kw.pop("split_policy", None)
+  for key in ("splits", "split_policy", "fp8_compute_wgs"):
+    kw.pop(key, None)
   ref = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc, **kw)
   assert max_err(out, ref) < TOL, f"seed {seed}"
 
@@ -72,6 +75,9 @@ def test_gpu_fp8_warp_specialized_refuses_bad_stage_count():
   q, kv, bt, lens, sc = random_decode(rng, S=2, K=2, g=2, H=64, G=16, Pmax=8, dtype=jnp.float8_e4m3fn)
   with pytest.raises(common.Unsupported, match="multiple of converters"):
     gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=2, stages=3)
+  with pytest.raises(common.Unsupported, match="compute_wgs=2 with converters=2"):
+    gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=2,
+                                   fp8_compute_wgs=2)
 
 
 def test_wave_split_policy_fills_whole_waves():
@@ -134,9 +140,10 @@ def test_gpu_kernels_lower_for_cuda(dtype):
                                                                            splits=splits), q, kv, bt, lens).as_text()
     assert "mosaic_gpu" in txt
   if dtype != jnp.bfloat16:  # the warp-specialized fp8 kernel (1-3 converter warpgroups)
-    for conv, splits in ((1, 8), (2, 1), (3, 8)):
+    for conv, splits, cw in ((1, 8, 1), (2, 1, 1), (3, 8, 1), (1, 1, 2), (1, 8, 2)):
       txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(
-          q, kv, bt, lens, kv_scales_PK=sc, splits=splits, fp8_converters=conv), q, kv, bt, lens).as_text()
+          q, kv, bt, lens, kv_scales_PK=sc, splits=splits, fp8_converters=conv, fp8_compute_wgs=cw),
+          q, kv, bt, lens).as_text()
       assert "mosaic_gpu" in txt
   qT, cu = sd((300, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)
   _lower_cuda(lambda *a: gpu.paged_attention_gpu(*a, kv_scales_PK=sc, sliding_window=512), qT, kv, bt, lens, cu)

@@ -81,6 +81,7 @@ class KernelConfig:
   NT: int = 0  # ragged: number of query tiles
   converters: int = 0  # fp8 decode: > 0 runs the warp-specialized kernel (gpu_fp8.py) with this many converter WGs
   fp8_bits: bool = False  # warp-specialized kernel: widen fp8 with integer bit ops (H-permuted tiles, gpu_fp8.py)
+  compute_wgs: int = 1  # warp-specialized kernel: compute warpgroups on alternate steps (each one split-K partial)
 
   @property
   def R(self):  # q rows loaded per program (decode)
@@ -101,7 +102,7 @@ class KernelConfig:
 
   @property
   def final(self):  # the kernel writes the normalized output itself (no split-K combine)
-    return self.ragged or self.splits == 1
+    return self.ragged or (self.splits == 1 and self.compute_wgs == 1)
 
 
 def _tiles(dtype, minor=128):
@@ -127,6 +128,7 @@ def ring_scratch(cfg):
 SMEM_LIMIT = 220 * 1024
 FP8_CONVERTERS = 1  # converter warpgroups for fp8 decode (0: inline conversion); H200 run D: 1 converter,
 #                    128-token steps x 2 stages = 0.64x the inline kernel's time at batch 8 x 8k
+FP8_COMPUTE_WGS = 1  # compute warpgroups of the warp-specialized fp8 kernel (2: opt-in, not measured yet)
 FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops,
 #                      1.4-1.6x slower than cvt on the H200, run D)
 SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape (runs C, D)
@@ -475,7 +477,7 @@ def combine_splits(o_part, m_part, l_part, K, g):
 
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
                 sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
-                fp8_converters=None, split_policy=None, fp8_convert=None):
+                fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None):
   S, N, H = q_shape
   P, G, K2, _ = pool_shape
   K = K2 // 2
@@ -485,25 +487,26 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   fp8_converters = FP8_CONVERTERS if fp8_converters is None else fp8_converters
   split_policy = SPLIT_POLICY if split_policy is None else split_policy
   converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
+  compute_wgs = (FP8_COMPUTE_WGS if fp8_compute_wgs is None else int(fp8_compute_wgs)) if converters else 1
   if converters and block_kv is None and stages is None:
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
-    bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters)
-    if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters) > SMEM_LIMIT:
-      converters = 0  # e.g. H = 256: the f16 staging does not fit; the inline kernel does
+    bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs)
+    if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters, compute_wgs) > SMEM_LIMIT:
+      converters, compute_wgs = 0, 1  # e.g. H = 256: the f16 staging does not fit; the inline kernel does
   fp8_convert = FP8_CONVERT if fp8_convert is None else fp8_convert
   if fp8_convert not in ("cvt", "bits"):
     raise ValueError(f"fp8_convert must be 'cvt' or 'bits', got {fp8_convert!r}")
   fp8_bits = bool(converters) and fp8_convert == "bits" and H % 128 == 0  # halves = whole swizzle tiles
   if converters:
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
-    BK, st = gpu_fp8.choose_block_ws(G, H, converters)
+    BK, st = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs)
   else:
     BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles))
   BK = block_kv or BK
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
     raise Unsupported(f"block_kv={BK} must be a multiple of 64 that divides or is divided by page size {G}")
-  need = gpu_fp8.smem_bytes_ws(BK, H, stages, converters) if converters else smem_bytes(BK, H, stages, fp8)
+  need = gpu_fp8.smem_bytes_ws(BK, H, stages, converters, compute_wgs) if converters else smem_bytes(BK, H, stages, fp8)
   if need > SMEM_LIMIT:
     raise Unsupported(f"block_kv={BK} x stages={stages} needs ~{need} bytes of shared memory (limit {SMEM_LIMIT})")
   N_pad = N + (-N % 8)
@@ -528,7 +531,7 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
                       fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
                       soft_cap=None if soft_cap is None else float(soft_cap),
                       window=None if sliding_window is None else int(sliding_window), out_dtype=out_dtype,
-                      p_via_smem=p_via_smem, converters=converters, fp8_bits=fp8_bits)
+                      p_via_smem=p_via_smem, converters=converters, fp8_bits=fp8_bits, compute_wgs=compute_wgs)
 
 
 def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
@@ -578,15 +581,18 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
-                                             "interpret", "fp8_converters", "split_policy", "fp8_convert"))
+                                             "interpret", "fp8_converters", "split_policy", "fp8_convert",
+                                             "fp8_compute_wgs"))
 def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                                sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
-                               interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None):
+                               interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None,
+                               fp8_compute_wgs=None):
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
 
   fp8_converters: fp8 pools only; 0 = conversion inline in the one warpgroup, > 0 = warp-specialized kernel
   (gpu_fp8.py) with that many converter warpgroups; None = FP8_CONVERTERS. split_policy: see choose_splits;
   None = SPLIT_POLICY. fp8_convert: "cvt" | "bits" widening in the warp-specialized kernel; None = FP8_CONVERT.
+  fp8_compute_wgs: 1 | 2 compute warpgroups in the warp-specialized kernel; None = FP8_COMPUTE_WGS.
   """
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
@@ -594,7 +600,7 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
                            p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy,
-                           fp8_convert=fp8_convert)
+                           fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 

@@ -29,12 +29,15 @@ with 1 converter x 128-token steps 0.074 (the default), 1-3 converters x 64-toke
 fp8 kernel moves tokens at about the bf16 kernel's token rate (fp8/bf16 time 0.9-1.1 at equal split policy).
 Hypothesis (not profiled): once the bytes halve, the limit is the single compute warpgroup's serial per-step
 chain (QK wgmma -> softmax -> PV wgmma at M=64 rows of which 4-8 are used), not the conversion.
-Next steps, not done: two compute warpgroups on alternate steps (own acc/m/l, merged through shared memory at
-the end), or two CTAs per SM (64-token steps need ~113 KiB, at the edge of half an SM's shared memory).
+fp8_compute_wgs=2 (opt-in, NOT measured on the GPU yet: the device allowance was spent) tests that hypothesis:
+two compute warpgroups take alternate steps (steps i % 2 == c), each with its own acc/m/l, and each writes its
+own split-K partial (so the existing combine merges them); one converter feeds both. Checked in the GPU
+interpreter with its race detector and lowered for cuda (tests/test_paged_attention_gpu.py).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,24 +51,29 @@ from .gpu import LOG2E, M_INIT, ROWS, SENTINEL_PAGE, _tiles
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
-def staging_slots(converters):
+def staging_slots(converters, compute_wgs=1):
   """f16 staging slots (K and V each): at least 2 (conversion of one step overlaps the matmuls of the
-  previous), and one per converter (converter j always fills slot j)."""
-  return max(2, converters)
+  previous), and a multiple of the converter and compute warpgroup counts (slot f is always filled by
+  converter f % C and read by compute warpgroup f % Q)."""
+  n = math.lcm(converters, compute_wgs)
+  return n * max(1, -(-2 // n))
 
 
-def smem_bytes_ws(BK, H, stages, converters):
-  """Estimate: q tile + fp8 ring + union(f16 staging, output staging) + barriers."""
-  staging = staging_slots(converters) * 2 * BK * H * 2
-  out = ROWS * H * 4 + 2 * ROWS * 4
+def smem_bytes_ws(BK, H, stages, converters, compute_wgs=1):
+  """Estimate: q tile + fp8 ring + union(f16 staging, output staging per compute warpgroup) + barriers."""
+  staging = staging_slots(converters, compute_wgs) * 2 * BK * H * 2
+  out = compute_wgs * (ROWS * H * 4 + 2 * ROWS * 4)
   return ROWS * H * 2 + stages * 2 * BK * H + max(staging, out) + 1024
 
 
 def check_ws(cfg, converters):
   if not cfg.fp8 or cfg.ragged:
     raise common.Unsupported("the warp-specialized kernel is for fp8 decode only")
-  if cfg.stages % converters or staging_slots(converters) % converters:
+  if cfg.stages % converters:
     raise common.Unsupported(f"stages={cfg.stages} must be a multiple of converters={converters}")
+  if cfg.compute_wgs not in (1, 2) or (cfg.compute_wgs == 2 and converters != 1):
+    raise common.Unsupported(f"compute_wgs={cfg.compute_wgs} with converters={converters}: supported are 1 compute "
+                             "warpgroup with 1-3 converters, or 2 compute warpgroups with 1 converter")
 
 
 E4M3_BITS_FACTOR = 256.0  # the e4m3 bit trick yields value x 2^-8
@@ -122,13 +130,15 @@ def _kernel_ws(cfg, C, *refs):
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
   q_smem, ring, union, tma_bars, ready_bars, free_bars, q_bar = (next(it) for _ in range(7))
+  Q = cfg.compute_wgs
+  done_bar = next(it) if Q > 1 else None
   p_smem = next(it) if cfg.p_via_smem else None
   (kq_smem, vq_smem), (kq32, vq32) = ring
-  (k16, v16), (k32, v32), (o_smem, ml_smem) = union
+  (k16, v16), (k32, v32), (o_all, ml_all) = union
 
   G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
   cdt = jnp.dtype(jnp.float16)
-  F = staging_slots(C)
+  F = staging_slots(C, Q)
   widen = E4M3_BITS_FACTOR if (cfg.fp8_bits and jnp.dtype(cfg.fp8) == jnp.dtype(jnp.float8_e4m3fn)) else 1.0
   wg = lax.axis_index("wg")
   k = lax.axis_index("kvh")
@@ -170,11 +180,11 @@ def _kernel_ws(cfg, C, *refs):
       plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vq_smem.at[slot], tma_bars.at[slot])
 
   # ------------------------------------------------------------------ converters
-  @pl.when(wg > 0)
+  @pl.when(wg >= Q)
   def _converter():
-    if C >= 3:  # 4 warpgroups share 64K registers: give the compute warpgroup room for acc + logits
-      plgpu.set_max_registers(96, action="decrease")
-    j = wg - 1
+    if C + Q >= 3:  # 3-4 warpgroups share 64K registers: give the compute warpgroup(s) room for acc + logits
+      plgpu.set_max_registers(96 if Q == 1 else 104, action="decrease")
+    j = wg - Q
     # Prologue: this converter's first stages // C steps.
     for t in range(cfg.stages // C):
       i = j + t * C
@@ -222,16 +232,23 @@ def _kernel_ws(cfg, C, *refs):
         plgpu.barrier_wait(free_bars.at[f])
 
   # ------------------------------------------------------------------ compute
-  @pl.when(wg == 0)
+  @pl.when(wg < Q)
   def _compute():
-    if C >= 3:
+    if C + Q >= 3:
       plgpu.set_max_registers(200, action="increase")
-    if cfg.N > ROWS:
-      r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS)
-      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
+    c = wg if Q > 1 else 0  # this compute warpgroup takes the steps i with i % Q == c
+    r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS) if cfg.N > ROWS else 0
+
+    def load_q():
+      if cfg.N > ROWS:
+        plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
+      else:
+        plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+
+    if Q > 1:
+      pl.when(c == 0)(load_q)  # one q load, shared by the compute warpgroups
     else:
-      r0 = 0
-      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+      load_q()
     local = k * g - r0
     plgpu.barrier_wait(q_bar)
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
@@ -245,8 +262,9 @@ def _kernel_ws(cfg, C, *refs):
         res = jnp.where(page_col == jj, values[jj], res)
       return res
 
-    def body(i, carry):
+    def body(t, carry):
       acc, m_i, l_i = carry
+      i = c + t * Q
       b = b_lo + i
       fslot = lax.rem(i, F)
       cur_pages = block_pages(b)
@@ -287,10 +305,10 @@ def _kernel_ws(cfg, C, *refs):
       l_i = l_i * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = (p * vsc).astype(cdt)
-      if p_smem is not None:  # the interpreter needs the wgmma A operand in shared memory
-        p_smem[...] = p16
+      if p_smem is not None:  # the interpreter needs the wgmma A operand in shared memory (one per compute WG)
+        p_smem.at[c][...] = p16
         plgpu.commit_smem()
-        p16 = p_smem
+        p16 = p_smem.at[c]
 
       def pv_fn(acc_ref):
         plgpu.wgmma(acc_ref, p16, v16.at[fslot])
@@ -302,12 +320,17 @@ def _kernel_ws(cfg, C, *refs):
     acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+    n_mine = jnp.maximum(n_steps - c + Q - 1, 0) // Q
+    acc, m_i, l_i = lax.fori_loop(0, n_mine, body, (acc, m_i, l_i))
     if widen != 1.0:  # V tiles were widened as value x 2^-8 (e4m3 bit trick): one multiply at the end
       acc = acc * widen
 
-    # Output staging aliases the f16 staging tiles: every conversion was consumed above (the loop waited each
-    # `ready`), so no converter writes them any more.
+    # Output staging aliases the f16 staging tiles: every conversion was consumed (each compute warpgroup waited
+    # its `ready`s; with two, `done` waits for the other one too), so no warpgroup touches them any more.
+    if Q > 1:
+      plgpu.barrier_arrive(done_bar)
+      plgpu.barrier_wait(done_bar)
+    o_smem, ml_smem = o_all.at[c], ml_all.at[c]
     if cfg.final:
       inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
       o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
@@ -318,17 +341,19 @@ def _kernel_ws(cfg, C, *refs):
     plgpu.commit_smem()
     if cfg.final:
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
-    else:
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[sp, s, pl.ds(k * g, g)])
-      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[sp, s, k])
-      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[sp, s, k])
+    else:  # each compute warpgroup's (o, m, l) is one split-K partial: split index sp * Q + c
+      part = sp * Q + c
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[part, s, pl.ds(k * g, g)])
+      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[part, s, k])
+      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[part, s, k])
     plgpu.wait_smem_to_gmem(0)
 
 
 def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, converters=2, interpret=False):
   """Same contract as gpu.kernel_call for fp8 decode configs (dense or sparse)."""
   check_ws(cfg, converters)
-  STAGING = staging_slots(converters)
+  Q = cfg.compute_wgs
+  STAGING = staging_slots(converters, Q)
   H, BK, S, N, K = cfg.H, cfg.BK, cfg.S, cfg.N, cfg.K
   cdt = jnp.dtype(jnp.float16)
   pool_dt = jnp.dtype(cfg.fp8)
@@ -351,29 +376,32 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
            plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt))),
           (plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2)),
            plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2))),
-          (plgpu.SMEM((ROWS, H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32)),
+          (plgpu.SMEM((Q, ROWS, H), out_dtype), plgpu.SMEM((Q, 2, ROWS), jnp.float32)),
       ),
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=1, num_barriers=STAGING),
       plgpu.Barrier(num_arrivals=1, num_barriers=STAGING),
       plgpu.Barrier(num_arrivals=1),
   ]
+  if Q > 1:
+    scratch.append(plgpu.Barrier(num_arrivals=Q))
   if cfg.p_via_smem:
-    scratch.append(plgpu.SMEM((ROWS, BK), cdt, transforms=_tiles(cdt)))
+    scratch.append(plgpu.SMEM((Q, ROWS, BK), cdt, transforms=_tiles(cdt)))
   grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")
   if cfg.final:
     out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
   else:
-    out_type = [jax.ShapeDtypeStruct((cfg.splits, S, N, H), jnp.float32),
-                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32),
-                jax.ShapeDtypeStruct((cfg.splits, S, K, ROWS), jnp.float32)]
+    parts = cfg.splits * Q
+    out_type = [jax.ShapeDtypeStruct((parts, S, N, H), jnp.float32),
+                jax.ShapeDtypeStruct((parts, S, K, ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((parts, S, K, ROWS), jnp.float32)]
   call = plgpu.kernel(
       functools.partial(_kernel_ws, cfg, converters),
       out_type=out_type,
       scratch_types=scratch,
       grid=grid,
       grid_names=names,
-      num_threads=1 + converters,
+      num_threads=Q + converters,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=(plgpu.InterpretGPUParams(detect_races=DETECT_RACES) if DETECT_RACES else plgpu.InterpretGPUParams()) if interpret else None,
@@ -382,13 +410,15 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   return res[0] if cfg.final else res
 
 
-def choose_block_ws(G, H, converters):
+def choose_block_ws(G, H, converters, compute_wgs=1):
   """(BK, stages) defaults for the warp-specialized kernel. H200 run D, batch 8 x 8k: one converter with
   128-token steps x 2 stages 0.074 ms, two converters x 64 x 4 0.085, three 0.085 (run C)."""
   if converters == 1:
     BK, stages = min(G, 128) if G > 64 else 128, 2
   else:
     BK, stages = (64 if G <= 64 else min(G, 128)), 2 * converters
-  while stages > converters and smem_bytes_ws(BK, H, stages, converters) > 220 * 1024:
+  if compute_wgs > 1:  # two compute warpgroups: 64-token steps, 2 fp8 slots, 2 staging slots
+    BK, stages = (64 if G <= 64 else min(G, 128)), 2
+  while stages > converters and smem_bytes_ws(BK, H, stages, converters, compute_wgs) > 220 * 1024:
     stages -= converters
   return BK, stages

@@ -203,6 +203,40 @@ def _mma_fresh(shape, a_ref, b_ref):
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
+def _block_scaled_mma(acc, a_ref, x_smem, scales, x_fac: float):
+    """acc + sum over the 128-row scale blocks rb of this step: (a_rb^T x_rb^T) * scales[rb] * x_fac.
+
+    One fresh float32 product per scale block, scaled in registers (the fp8 'f16' path).
+    """
+    rb_per_step = len(scales)
+    for rb in range(rb_per_step):
+        if rb_per_step == 1:
+            a_blk, x_blk = a_ref, x_smem
+        else:
+            ks = pl.ds(rb * BLOCK, BLOCK)
+            a_blk, x_blk = a_ref.at[ks], x_smem.at[:, ks]
+        prod = _mma_fresh(acc.shape, a_blk.transpose((1, 0)), x_blk.transpose((1, 0)))
+        acc = acc + prod * (scales[rb] * x_fac)
+    return acc
+
+
+def _stream_k_maps(cta, n_per: int, n_total: int, k_steps: int):
+    """Index maps of one CTA's stream-K run: coords(i) -> (global step, F tile, D step), w_map, x_map."""
+    def coords(i):
+        g = cta * n_per + i
+        gc = jnp.minimum(g, n_total - 1)
+        return g, lax.div(gc, k_steps), lax.rem(gc, k_steps)
+
+    def w_map(i):
+        _, j, k = coords(i)
+        return (k, j)
+
+    def x_map(i):
+        _, _, k = coords(i)
+        return (0, k)
+    return coords, w_map, x_map
+
+
 def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
     """Builds the plgpu.kernel computing partials P[M, slots, F, Tp] from x [Tp, D], M weights (+ scales).
 
@@ -236,22 +270,10 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
         p_gmem, out_smem, *rest = rest
         deq_smems = rest[:M] if fp8 else ()          # one bf16 dequant buffer per matrix
         c = lax.axis_index("cta")
-
-        def coords(i):
-            g = c * n_per + i
-            gc = jnp.minimum(g, n_total - 1)
-            return g, lax.div(gc, k_steps), lax.rem(gc, k_steps)
-
-        def w_map(i):
-            _, j, k = coords(i)
-            return (k, j)
+        coords, w_map, x_map = _stream_k_maps(c, n_per, n_total, k_steps)
 
         def fb_of(j):  # the F scale block of F tile j
             return lax.div(j * p.tile_f, BLOCK)
-
-        def x_map(i):
-            _, _, k = coords(i)
-            return (0, k)
 
         rb_per_step = p.tile_d // BLOCK
 
@@ -300,16 +322,8 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
 
                 if f16 and block_scaled:
                     # one fresh float32 product per 128-row scale block, scaled in registers
-                    acc = accs[m]
-                    for rb in range(rb_per_step):
-                        if rb_per_step == 1:
-                            a_blk, x_blk = a_ref, x_smem
-                        else:
-                            ks = pl.ds(rb * BLOCK, BLOCK)
-                            a_blk, x_blk = a_ref.at[ks], x_smem.at[:, ks]
-                        prod = _mma_fresh(acc.shape, a_blk.transpose((1, 0)), x_blk.transpose((1, 0)))
-                        acc = acc + prod * (s_cur[m][rb] * x_fac)
-                    new_accs.append(acc)
+                    new_accs.append(_block_scaled_mma(accs[m], a_ref, x_smem,
+                                                      [s_cur[m][rb] for rb in range(rb_per_step)], x_fac))
                 else:
                     new_accs.append(_mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
             flush = jnp.logical_and(g < n_total,

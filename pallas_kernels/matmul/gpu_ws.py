@@ -54,19 +54,7 @@ def kernel_call_ws(plan, w_dtype, block_scaled: bool, stacked: bool, interpret: 
         s_gmems = refs[M:2 * M] if block_scaled else ()
         p_gmem, out_smem, *deq_smems = refs[n_sc:]
         c = lax.axis_index("cta")
-
-        def coords(i):
-            g = c * n_per + i
-            gc = jnp.minimum(g, n_total - 1)
-            return g, lax.div(gc, k_steps), lax.rem(gc, k_steps)
-
-        def w_map(i):
-            _, j, k = coords(i)
-            return (k, j)
-
-        def x_map(i):
-            _, _, k = coords(i)
-            return (0, k)
+        coords, w_map, x_map = gpu._stream_k_maps(c, n_per, n_total, k_steps)
 
         in_specs = [plgpu.BlockSpec((p.tp, p.tile_d), x_map, transforms=x_tr)]
         in_specs += [plgpu.BlockSpec((p.tile_d, p.tile_f), w_map, transforms=w_tr)] * M
@@ -109,16 +97,8 @@ def kernel_call_ws(plan, w_dtype, block_scaled: bool, stacked: bool, interpret: 
                     else:
                         a_ref = w_mine
                     if block_scaled:
-                        acc = accs[m]
-                        for rb in range(rb_per_step):
-                            if rb_per_step == 1:
-                                a_blk, x_blk = a_ref, x_smem
-                            else:
-                                ks = pl.ds(rb * BLOCK, BLOCK)
-                                a_blk, x_blk = a_ref.at[ks], x_smem.at[:, ks]
-                            prod = gpu._mma_fresh(acc.shape, a_blk.transpose((1, 0)), x_blk.transpose((1, 0)))
-                            acc = acc + prod * (s_cur[m][rb] * x_fac)
-                        new_accs.append(acc)
+                        new_accs.append(gpu._block_scaled_mma(accs[m], a_ref, x_smem,
+                                                              [s_cur[m][rb] for rb in range(rb_per_step)], x_fac))
                     else:
                         new_accs.append(gpu._mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
                 flush = jnp.logical_and(g < n_total, jnp.logical_or(k == k_steps - 1, i == n_per - 1))

@@ -414,27 +414,11 @@ class KVReceiver:
         elif chunk.scales:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "chunk carries scales, this worker's pages have none")
         if chunk.in_ipc:
-            if res.ipc_offset is None or self.ipc is None:
-                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "chunk is in the IPC buffer, none was granted")
-            off = res.ipc_offset + first * self.page_nbytes
-            try:
-                pages = await asyncio.to_thread(self._from_ipc, off, n, chunk.checksum64)
-            except _Abort:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise _Abort(grpc.StatusCode.INTERNAL, f"cannot read chunk at page {first} from the IPC buffer: "
-                                                       f"{type(e).__name__}: {e}") from None
+            pages = await self._read_fast(res.ipc_offset, self.ipc, self._from_ipc, "the IPC buffer", first, n,
+                                          chunk.checksum64)
         elif chunk.in_shm:
-            if res.shm_offset is None or self.arena is None:
-                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "chunk is in shared memory, none was granted")
-            off = res.shm_offset + first * self.page_nbytes
-            try:
-                pages = await asyncio.to_thread(self._from_shm, off, n, chunk.checksum64)
-            except _Abort:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise _Abort(grpc.StatusCode.INTERNAL, f"cannot read chunk at page {first} from shared memory: "
-                                                       f"{type(e).__name__}: {e}") from None
+            pages = await self._read_fast(res.shm_offset, self.arena, self._from_shm, "shared memory", first, n,
+                                          chunk.checksum64)
         else:
             if chunk.codec != res.codec:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk codec {chunk.codec!r}, agreed {res.codec!r}")
@@ -461,6 +445,18 @@ class KVReceiver:
         if self.metrics is not None:
             self.metrics.transfer_raw.inc(chunk.raw_nbytes)
             self.metrics.transfer_wire.inc(len(chunk.payload) + len(chunk.scales))
+
+    async def _read_fast(self, region_offset, plane, read, where: str, first: int, n: int, checksum64: int):
+        """Pages [first, first + n) of a reservation's region on a same-host data plane (off the event loop)."""
+        if region_offset is None or plane is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"chunk is in {where}, none was granted")
+        try:
+            return await asyncio.to_thread(read, region_offset + first * self.page_nbytes, n, checksum64)
+        except _Abort:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _Abort(grpc.StatusCode.INTERNAL, f"cannot read chunk at page {first} from {where}: "
+                                                   f"{type(e).__name__}: {e}") from None
 
     def _from_ipc(self, offset: int, n: int, checksum64: int):
         from tbjax.engine.kv_pages import chunk_checksums

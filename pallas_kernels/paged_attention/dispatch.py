@@ -95,7 +95,6 @@ def paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_
 def _decode_from_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, impl, **kw):
   """Ragged call with at most one query per sequence: gather those rows, run decode, scatter back."""
   T = q_TNH.shape[0]
-  S = kv_lens_S.shape[0]
   q_lens = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
   has_q = q_lens > 0
   row_S = jnp.clip(cu_q_lens_S1[:-1], 0, T - 1)

@@ -178,6 +178,47 @@ def check_supported(N, K, G, H, q_dtype, pool_dtype):
     raise Unsupported(f"GQA group {g} > {ROWS - 8} query heads per kv head")
 
 
+def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None):
+  """Which KV blocks one program reads, shared by the kernels here and in gpu_fp8.py.
+
+  The sequence's blocks of BK tokens form a range [first, last) (the sparse selection's entries, the causal
+  prefix of a ragged tile, or the window / whole context); split `sp` takes `steps_per_split` of them.
+  ragged: (valid tokens, position of the first query token) of a ragged tile. Returns (b_lo, n_steps,
+  block_pages(b) -> physical page ids of block b (scalar loads), logical_page(i) -> logical page of entry i).
+  """
+  BK, ppb, spp = cfg.BK, cfg.ppb, cfg.spp
+  nsel = None
+  if cfg.sparse:
+    nsel = nsel_ref[s, k]
+    last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
+    first = 0
+  elif ragged is not None:
+    ntok, qpos0 = ragged
+    last = jnp.where(ntok > 0, (qpos0 + ntok + BK - 1) // BK, 0)
+    first = 0 if cfg.window is None else jnp.maximum(qpos0 - cfg.window + 1, 0) // BK
+  else:
+    last = (kv_len + BK - 1) // BK
+    first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
+  b_lo = first + sp * cfg.steps_per_split
+  b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
+  n_steps = jnp.maximum(b_hi - b_lo, 0)
+
+  def page_of(idx):
+    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
+    return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
+
+  def block_pages(b):
+    """Physical page ids of block b: ppb pages, or the one page b is a slice of."""
+    return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
+
+  def logical_page(idx):
+    """Logical page of selection entry idx; entries past the count map far beyond kv_len (masked)."""
+    if cfg.sparse:
+      return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
+    return idx
+  return b_lo, n_steps, block_pages, logical_page
+
+
 def _kernel(cfg: KernelConfig, *refs):
   it = iter(refs)
   q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
@@ -203,31 +244,8 @@ def _kernel(cfg: KernelConfig, *refs):
     s = lax.axis_index("seq")
     sp = lax.axis_index("split")
   kv_len = lens_ref[s]
-
-  # Range [first, last) of BK-token blocks of this sequence; this program takes one split of it.
-  if cfg.sparse:
-    nsel = nsel_ref[s, k]
-    last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
-    first = 0
-  elif cfg.ragged:
-    last = jnp.where(ntok > 0, (qpos0 + ntok + BK - 1) // BK, 0)
-    first = 0 if cfg.window is None else jnp.maximum(qpos0 - cfg.window + 1, 0) // BK
-  else:
-    last = (kv_len + BK - 1) // BK
-    first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
-  b_lo = first + sp * cfg.steps_per_split
-  b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
-  n_steps = jnp.maximum(b_hi - b_lo, 0)
-
-  def page_of(idx):
-    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
-    return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
-
-  def logical_page(idx):
-    """Logical page of selection entry idx; entries past the count map far beyond kv_len (masked)."""
-    if cfg.sparse:
-      return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
-    return idx
+  b_lo, n_steps, block_pages, logical_page = block_walk(
+      cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, (ntok, qpos0) if cfg.ragged else None)
 
   # q rows. Decode: a 64-row window of heads containing kv head k's group. Ragged: 64/g tokens x g heads.
   if cfg.ragged:
@@ -252,10 +270,6 @@ def _kernel(cfg: KernelConfig, *refs):
     k_smem, v_smem, kq_smem, vq_smem, p_smem = (next(got) if t is not None else None for t in ring_types)
     kdst = kq_smem if cfg.fp8 else k_smem
     vdst = vq_smem if cfg.fp8 else v_smem
-
-    def block_pages(b):
-      """Physical page ids (scalar loads) of block b: ppb pages, or the one page b is a slice of."""
-      return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
 
     def issue(b, slot, pages=None):
       """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""

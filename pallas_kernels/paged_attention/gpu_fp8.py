@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu import LOG2E, M_INIT, ROWS, SENTINEL_PAGE, _tiles
+from .gpu import LOG2E, M_INIT, ROWS, _tiles, block_walk
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -145,29 +145,7 @@ def _kernel_ws(cfg, C, *refs):
   s = lax.axis_index("seq")
   sp = lax.axis_index("split")
   kv_len = lens_ref[s]
-
-  if cfg.sparse:
-    nsel = nsel_ref[s, k]
-    last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
-    first = 0
-  else:
-    last = (kv_len + BK - 1) // BK
-    first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
-  b_lo = first + sp * cfg.steps_per_split
-  b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
-  n_steps = jnp.maximum(b_hi - b_lo, 0)
-
-  def page_of(idx):
-    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
-    return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
-
-  def logical_page(idx):
-    if cfg.sparse:
-      return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
-    return idx
-
-  def block_pages(b):
-    return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
+  b_lo, n_steps, block_pages, logical_page = block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref)
 
   def issue(b, slot, pages):
     if spp == 1:

@@ -178,6 +178,27 @@ def check_supported(N, K, G, H, q_dtype, pool_dtype):
     raise Unsupported(f"GQA group {g} > {ROWS - 8} query heads per kv head")
 
 
+def page_columns(values, col, G):
+  """A [ROWS, BK] array whose column c holds values[c // G] (static list of per-page scalars; one: itself)."""
+  if len(values) == 1:
+    return values[0]
+  page_col = col // G
+  res = values[-1]
+  for j in range(len(values) - 2, -1, -1):
+    res = jnp.where(page_col == j, values[j], res)
+  return res
+
+
+def column_positions(cfg, b, col, logical_page):
+  """Logical token position of each column of block b ([ROWS, BK] int32, col = the column iota)."""
+  G, BK, ppb, spp = cfg.G, cfg.BK, cfg.ppb, cfg.spp
+  if not cfg.sparse:
+    return b * BK + col
+  if spp == 1:
+    return page_columns([logical_page(b * ppb + j) * G for j in range(ppb)], col, G) + col % G
+  return logical_page(b // spp) * G + (b % spp) * BK + col
+
+
 def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None):
   """Which KV blocks one program reads, shared by the kernels here and in gpu_fp8.py.
 
@@ -231,7 +252,7 @@ def _kernel(cfg: KernelConfig, *refs):
   l_ref = None if cfg.final else next(it)
   q_smem, bars, q_bar = next(it), next(it), next(it)
 
-  G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
+  G, BK, spp, g = cfg.G, cfg.BK, cfg.spp, cfg.g
   cdt = cfg.compute_dtype
   k = lax.axis_index("kvh")
   if cfg.ragged:
@@ -295,16 +316,6 @@ def _kernel(cfg: KernelConfig, *refs):
       row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
       qpos = qpos0 + row // g  # [ROWS, BK]: position of each row's query token
 
-    def per_page_vector(values):
-      """A [ROWS, BK] array whose column c holds values[c // G] (static list of ppb scalars)."""
-      if len(values) == 1:
-        return values[0]
-      page_col = col // G
-      res = values[-1]
-      for j in range(len(values) - 2, -1, -1):
-        res = jnp.where(page_col == j, values[j], res)
-      return res
-
     def body(step, carry):
       acc, m_i, l_i = carry
       b = b_lo + step
@@ -332,21 +343,9 @@ def _kernel(cfg: KernelConfig, *refs):
       logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
 
       # Per-column page data: logical token positions and fp8 scales.
-      if spp == 1:
-        idxs = [b * ppb + j for j in range(ppb)]
-        if cfg.sparse:
-          pos = per_page_vector([logical_page(i) * G for i in idxs]) + col % G
-        else:
-          pos = b * BK + col
-        if cfg.fp8:
-          ksc, vsc = per_page_vector(k_scales), per_page_vector(v_scales)
-      else:
-        if cfg.sparse:
-          pos = logical_page(b // spp) * G + (b % spp) * BK + col
-        else:
-          pos = b * BK + col
-        if cfg.fp8:
-          ksc, vsc = k_scales[0], v_scales[0]
+      pos = column_positions(cfg, b, col, logical_page)
+      if cfg.fp8:
+        ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
 
       logits = logits * cfg.scale
       if cfg.fp8:

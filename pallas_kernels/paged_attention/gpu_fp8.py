@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu import LOG2E, M_INIT, ROWS, _tiles, block_walk
+from .gpu import LOG2E, M_INIT, ROWS, _tiles, block_walk, column_positions, page_columns
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -136,7 +136,7 @@ def _kernel_ws(cfg, C, *refs):
   (kq_smem, vq_smem), (kq32, vq32) = ring
   (k16, v16), (k32, v32), (o_all, ml_all) = union
 
-  G, BK, ppb, spp, g = cfg.G, cfg.BK, cfg.ppb, cfg.spp, cfg.g
+  G, BK, spp, g = cfg.G, cfg.BK, cfg.spp, cfg.g
   cdt = jnp.dtype(jnp.float16)
   F = staging_slots(C, Q)
   widen = E4M3_BITS_FACTOR if (cfg.fp8_bits and jnp.dtype(cfg.fp8) == jnp.dtype(jnp.float8_e4m3fn)) else 1.0
@@ -231,15 +231,6 @@ def _kernel_ws(cfg, C, *refs):
     plgpu.barrier_wait(q_bar)
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
 
-    def per_page_vector(values):
-      if len(values) == 1:
-        return values[0]
-      page_col = col // G
-      res = values[-1]
-      for jj in range(len(values) - 2, -1, -1):
-        res = jnp.where(page_col == jj, values[jj], res)
-      return res
-
     def body(t, carry):
       acc, m_i, l_i = carry
       i = c + t * Q
@@ -255,19 +246,8 @@ def _kernel_ws(cfg, C, *refs):
         return acc_ref[...]
       logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
 
-      if spp == 1:
-        idxs = [b * ppb + jj for jj in range(ppb)]
-        if cfg.sparse:
-          pos = per_page_vector([logical_page(x) * G for x in idxs]) + col % G
-        else:
-          pos = b * BK + col
-        ksc, vsc = per_page_vector(k_scales), per_page_vector(v_scales)
-      else:
-        if cfg.sparse:
-          pos = logical_page(b // spp) * G + (b % spp) * BK + col
-        else:
-          pos = b * BK + col
-        ksc, vsc = k_scales[0], v_scales[0]
+      pos = column_positions(cfg, b, col, logical_page)
+      ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
 
       logits = logits * (cfg.scale * widen) * ksc
       if cfg.soft_cap is not None:

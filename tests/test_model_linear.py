@@ -105,3 +105,26 @@ def test_matmul_impl_names_are_checked():
     with pytest.raises(ValueError, match="matmul_impl"):
         Engine(_spec(), init_params(_spec(), jax.random.key(0), "bfloat16"), byte_tokenizer(),
                EngineConfig(num_pages=16, matmul_impl="fast"))
+
+
+def test_shapes_the_kernel_cannot_take_use_xla_dots(kernel_calls):
+    """ffn_dim 96 is not a multiple of the kernel's 64-wide tiles: gate/up/down fall back to XLA dots (not to the
+    float32 reference, not to an error) while qkv, o and the lm_head still go to the kernel."""
+    spec = _spec(ffn_dim=96)
+    p32 = init_params(spec, jax.random.key(5), "float32", std=0.1)
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
+    T = 3
+    toks = jnp.asarray([1, 2, 3], jnp.int32)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    att = _dense_attend(pos)
+
+    def run(params, impl):
+        h, _ = forward_hidden(params, spec, toks, pos, att, [None] * spec.n_layers, kernel_impl=impl)
+        return np.asarray(lm_logits(params, spec, h, kernel_impl=impl), np.float64)
+    ref = run(jax.tree.map(lambda a: a.astype(jnp.float32), p16), None)
+    n0 = len(kernel_calls)
+    got = run(p16, "gpu")
+    shapes = [c[0][0][-2:] for c in kernel_calls[n0:]]
+    assert sorted(set(shapes)) == [(64, 64), (64, 128), (64, 256)]     # o, qkv, lm_head; no FFN matrix
+    assert len(shapes) == 2 * spec.n_layers + 1
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 3e-2

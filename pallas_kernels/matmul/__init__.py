@@ -5,14 +5,15 @@ Public API:
     gate_up_silu(x_TD, w_gate_DF, w_up_DF, *, gate_scale=None, up_scale=None, layer=None,
                  impl="auto")                                                -> h_TF
     xla_flags_for_decode(backend="gpu")                                      -> list[str]
+    kernel_unsupported_reason(x_TD, ws, scales=None)                         -> str | None
 reference.py defines the math; gpu.py is the Mosaic GPU (Hopper) kernel; tpu.py the XLA
 fallback used on TPU; dispatch.py picks one.
 """
-from pallas_kernels.matmul.dispatch import decode_matmul, gate_up_silu
+from pallas_kernels.matmul.dispatch import decode_matmul, gate_up_silu, kernel_unsupported_reason
 from pallas_kernels.matmul.flags import merged_xla_flags, xla_flags_for_decode
 from pallas_kernels.matmul.reference import decode_matmul_reference, dequantize, gate_up_silu_reference
 
 __all__ = [
-    "decode_matmul", "gate_up_silu", "xla_flags_for_decode", "merged_xla_flags",
+    "decode_matmul", "gate_up_silu", "kernel_unsupported_reason", "xla_flags_for_decode", "merged_xla_flags",
     "decode_matmul_reference", "gate_up_silu_reference", "dequantize",
 ]

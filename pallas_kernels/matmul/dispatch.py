@@ -65,6 +65,15 @@ def _pick(impl: str) -> str:
     return "reference"
 
 
+def kernel_unsupported_reason(x_TD, ws, scales=None) -> str | None:
+    """Why the GPU kernel can't take x @ each of `ws` (one launch), or None if it can. For callers (the model) that
+    prefer their own fallback (XLA dots) to the reference this dispatcher falls back to."""
+    scales = list(scales) if scales is not None else [None] * len(ws)
+    nsm = None if jax.default_backend() == "gpu" else INTERPRET_SMS
+    c, why = gpu.plan_for(x_TD, list(ws), scales, None, nsm)
+    return None if c is not None else why
+
+
 def _slice(a, layer):
     return None if a is None or layer is None else a[layer]
 

@@ -19,7 +19,11 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import decode_matmul, gate_up_silu
+import logging
+
+from pallas_kernels.matmul import decode_matmul, gate_up_silu, kernel_unsupported_reason
+
+log = logging.getLogger(__name__)
 
 MATMUL_IMPLS = ("auto", "xla", "kernel")
 KERNEL_MAX_T = 256      # the kernel's wgmma N limit: larger decode batches use XLA dots
@@ -55,21 +59,35 @@ def layer_params(stacks: Mapping, layer: int, kernel_impl: str | None):
     return LayerParams(stacks, layer, kernel_impl)
 
 
-def _kernel_ok(p, x_TD) -> bool:
-    return isinstance(p, LayerParams) and x_TD.shape[0] <= KERNEL_MAX_T and x_TD.dtype == jnp.bfloat16
+def _kernel_ok(p, x_TD, *names) -> bool:
+    """Whether these projections go to the kernel: a LayerParams view, bf16 operands, shapes the kernel takes.
+    Anything else uses XLA dots (never the slow float32 reference the kernel dispatcher would fall back to)."""
+    if not (isinstance(p, LayerParams) and x_TD.shape[0] <= KERNEL_MAX_T and x_TD.dtype == jnp.bfloat16):
+        return False
+    return kernel_takes(x_TD, *[p.stacks[n] for n in names])
+
+
+def kernel_takes(x_TD, *ws) -> bool:
+    """bf16 weights the kernel can stream in one launch against x (else the caller uses XLA dots)."""
+    if x_TD.dtype != jnp.bfloat16 or x_TD.shape[0] > KERNEL_MAX_T or any(w.dtype != jnp.bfloat16 for w in ws):
+        return False
+    why = kernel_unsupported_reason(x_TD, ws)
+    if why is not None:
+        log.info("decode projection of %s uses XLA dots: %s", [tuple(w.shape) for w in ws], why)
+    return why is None
 
 
 def linear(p, name: str, x_TD, out_dtype=None):
     """x @ p[name] with float32 accumulation, cast to out_dtype (default: x's dtype)."""
     out_dtype = out_dtype or x_TD.dtype
-    if _kernel_ok(p, x_TD) and p.stacks[name].dtype == jnp.bfloat16:
+    if _kernel_ok(p, x_TD, name):
         return decode_matmul(x_TD, p.stacks[name], layer=p.layer, impl=p.impl, out_dtype=out_dtype)
     return jnp.dot(x_TD, p[name], preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def swiglu(p, x_TD, gate="w_gate", up="w_up", down="w_down"):
     """silu(x @ gate) * (x @ up) @ down; on the kernel path gate and up stream through one launch."""
-    if _kernel_ok(p, x_TD) and p.stacks[gate].dtype == jnp.bfloat16:
+    if _kernel_ok(p, x_TD, gate, up):
         h = gate_up_silu(x_TD, p.stacks[gate], p.stacks[up], layer=p.layer, impl=p.impl)
     else:
         g = jnp.dot(x_TD, p[gate], preferred_element_type=jnp.float32)

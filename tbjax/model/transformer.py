@@ -17,7 +17,7 @@ from pallas_kernels.matmul import decode_matmul
 
 from tbjax.model import layers as ly
 from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
-from tbjax.model.linear import KERNEL_MAX_T, layer_params
+from tbjax.model.linear import kernel_takes, layer_params
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 
@@ -49,8 +49,7 @@ def forward_hidden(params, spec: ModelSpec, tokens_T, positions_T, attend, cache
 
 def lm_logits(params, spec: ModelSpec, h_TD, kernel_impl: str | None = None):
     """float32 logits [T, V]. An untied lm_head [D, V] goes through the decode kernel when kernel_impl is set."""
-    if (kernel_impl is not None and not spec.tie_embeddings and h_TD.shape[0] <= KERNEL_MAX_T
-            and h_TD.dtype == jnp.bfloat16 and params["lm_head"].dtype == jnp.bfloat16):
+    if kernel_impl is not None and not spec.tie_embeddings and kernel_takes(h_TD, params["lm_head"]):
         return decode_matmul(h_TD, params["lm_head"], impl=kernel_impl, out_dtype=jnp.float32)
     if spec.tie_embeddings:
         return jnp.einsum("td,vd->tv", h_TD, params["embed"], preferred_element_type=jnp.float32)

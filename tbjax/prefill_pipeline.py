@@ -1,0 +1,224 @@
+"""Pipeline-parallel prefill: the layers split over `pp` devices by FLOPs, a prompt flowing through in chunks.
+
+Why this module exists: prefill is compute-bound, decode memory-bound, so tbjax prefills on one DP replica whose
+layers are spread over a `pp` axis: each device holds 1/pp of the weights (memory left for KV and batch), and once
+the pipe is full every device works: stage s runs chunk c while stage s+1 runs chunk c-1. Stages are balanced by
+FLOPs, not by layer count: a DeepSeek-style model's dense first layers, MoE layers (only top_k of the routed
+experts count) and MLA attention cost different amounts per token.
+
+    layer_flops_per_token(spec, context)  -> [float] per layer (2 x active parameters + attention scores)
+    split_layers(spec, pp, context)       -> [range] contiguous stages minimizing the largest stage's FLOPs (exact)
+    PipelinePrefill(spec, params, devices, chunk_tokens, max_len).prefill(token_ids)
+                                          -> (logits_V float32 of the last prompt token, [(k_TKH, v_TKH)] per layer)
+
+Execution: one jitted program per stage, with its layers' weights placed on its device (stage 0 also holds the
+embedding; the last stage the final norm and the output projection). The host issues, chunk by chunk, stage 0 ..
+pp-1; JAX dispatch is asynchronous and each stage runs on its own device, so the stages overlap without any host
+synchronisation until the final logits are read. Each stage keeps its layers' K/V of the prompt in dense buffers
+[max_len, K, H] on its device (donated and updated in place); a chunk attends causally to every earlier position.
+The K/V returned are what a prefill worker exports to the decode side.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbjax.model import layers as ly
+from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
+from tbjax.model.params import group_shapes
+from tbjax.model.transformer import layer_plan, lm_logits
+from tbjax.spec import ModelSpec, rope_attention_scale
+
+ROUTED_EXPERT_PARAMS = ("we_gate", "we_up", "we_down")
+
+
+def layer_flops_per_token(spec: ModelSpec, context: int) -> list[float]:
+    """FLOPs one token costs in each layer: 2 x the parameters it multiplies (for MoE layers the routed experts
+    count top_k / n_experts of their size) + 4 x heads x head dims x `context` for the attention scores and values
+    (use the average attended length, e.g. half the prompt)."""
+    shapes = group_shapes(spec)
+    out = [0.0] * spec.n_layers
+    for g in spec.layer_groups:
+        active = 0.0
+        for name, shp in shapes[g.name].items():
+            n = float(np.prod(shp[1:]))
+            if name in ROUTED_EXPERT_PARAMS:
+                n *= spec.moe.top_k / spec.moe.n_experts
+            active += n
+        if g.attention == "mla":
+            m = spec.mla
+            att = 2.0 * spec.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * context
+        else:
+            att = 4.0 * spec.n_heads * spec.head_dim * context
+        for i in g.layers:
+            out[i] = 2.0 * active + att
+    return out
+
+
+def balanced_partition(costs, parts: int) -> list[range]:
+    """Contiguous ranges of `costs` (in order) into `parts` non-empty pieces minimizing the largest piece's sum."""
+    L = len(costs)
+    if not 1 <= parts <= L:
+        raise ValueError(f"pp must be in 1..{L} (the model's layers), got {parts}")
+    pre = np.concatenate([[0.0], np.cumsum(np.asarray(costs, np.float64))])
+    INF = float("inf")
+    # best[s][i]: least possible largest sum covering items [0, i) with s pieces; cut[s][i]: where piece s starts
+    best = [[INF] * (L + 1) for _ in range(parts + 1)]
+    cut = [[0] * (L + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for s in range(1, parts + 1):
+        for i in range(s, L - (parts - s) + 1):
+            for j in range(s - 1, i):
+                v = max(best[s - 1][j], pre[i] - pre[j])
+                if v < best[s][i]:
+                    best[s][i], cut[s][i] = v, j
+    ranges, i = [], L
+    for s in range(parts, 0, -1):
+        j = cut[s][i]
+        ranges.append(range(j, i))
+        i = j
+    return ranges[::-1]
+
+
+def split_layers(spec: ModelSpec, pp: int, context: int = 2048) -> list[range]:
+    """Contiguous layer ranges for `pp` stages minimizing the most expensive stage's FLOPs per token."""
+    return balanced_partition(layer_flops_per_token(spec, context), pp)
+
+
+def kv_head_shape(spec: ModelSpec, attention: str) -> tuple[int, int]:
+    """(heads, dims) of the K/V a layer kind hands to `attend` (MLA in its expanded form: per head, padded)."""
+    if attention == "mla":
+        m = spec.mla
+        return spec.n_heads, max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+    return spec.n_kv_heads, spec.head_dim
+
+
+def chunk_attention(q_TNH, k_SKH, v_SKH, q_pos_T, *, scale: float, window: int | None = None,
+                    soft_cap: float | None = None):
+    """Queries of one chunk over the whole K/V buffer (position = buffer index), causal, float32 softmax."""
+    T, N, H = q_TNH.shape
+    S, K = k_SKH.shape[:2]
+    g = N // K
+    q = q_TNH.astype(jnp.float32).reshape(T, K, g, H)
+    s = jnp.einsum("tkgh,skh->kgts", q, k_SKH.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    kpos = jnp.arange(S)[None, :]
+    mask = kpos <= q_pos_T[:, None]
+    if window is not None:
+        mask &= kpos > q_pos_T[:, None] - window
+    s = jnp.where(mask[None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("kgts,skh->tkgh", p, v_SKH.astype(jnp.float32))
+    return o.reshape(T, N, v_SKH.shape[-1]).astype(q_TNH.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    index: int
+    layers: tuple[int, ...]
+    device: object
+    first: bool
+    last: bool
+
+
+def _stage_step(stage_params, x_or_tokens, positions_T, start, kv_bufs, *, spec: ModelSpec, layers, first: bool,
+                last: bool, last_row):
+    """One chunk through one stage. Returns (hidden_TD or logits of `last_row`, updated K/V buffers)."""
+    scale = rope_attention_scale(spec)
+    plan = layer_plan(spec)
+    x = jnp.take(stage_params["embed"], x_or_tokens, axis=0) if first else x_or_tokens
+    cos, sin = ly.rope_cos_sin(positions_T, spec.rope)
+    new_bufs = []
+    for li, p, (k_buf, v_buf) in zip(layers, stage_params["layers"], kv_bufs):
+        _, akind, fkind, _ = plan[li]
+
+        def attend(layer, q, k, v, cache):
+            kb = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), start, axis=0)
+            vb = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), start, axis=0)
+            o = chunk_attention(q, kb, vb, positions_T, scale=scale, window=spec.layer_window(layer))
+            return o, (kb, vb)
+        d, (k_buf, v_buf) = ATTENTION_APPLY[akind](spec, p, x, cos, sin, attend, li, (k_buf, v_buf))
+        x = x + d
+        x = x + FFN_APPLY[fkind](spec, p, x)
+        new_bufs.append((k_buf, v_buf))
+    if last:
+        h = ly.rms_norm(jax.lax.dynamic_slice_in_dim(x, last_row, 1, axis=0), stage_params["final_norm"],
+                        spec.norm_eps)
+        return lm_logits(stage_params, spec, h)[0], new_bufs
+    return x, new_bufs
+
+
+class PipelinePrefill:
+    """Prefill of one prompt at a time over `devices` (one pipeline stage each), in chunks of `chunk_tokens`."""
+
+    def __init__(self, spec: ModelSpec, params, devices, *, chunk_tokens: int = 256, max_len: int = 4096,
+                 stages: list[range] | None = None, context: int | None = None):
+        devices = list(devices)
+        if chunk_tokens < 1 or max_len < chunk_tokens:
+            raise ValueError(f"need 1 <= chunk_tokens <= max_len, got chunk_tokens={chunk_tokens}, max_len={max_len}")
+        self.spec, self.chunk, self.max_len = spec, chunk_tokens, -(-max_len // chunk_tokens) * chunk_tokens
+        self.ranges = stages if stages is not None else split_layers(spec, len(devices), context or max_len // 2)
+        if len(self.ranges) != len(devices):
+            raise ValueError(f"{len(self.ranges)} stages for {len(devices)} devices")
+        if [i for r in self.ranges for i in r] != list(range(spec.n_layers)):
+            raise ValueError(f"stages {self.ranges} must cover layers 0..{spec.n_layers - 1} in order")
+        plan = layer_plan(spec)
+        self.stages, self.params, self._fns = [], [], []
+        for s, (r, dev) in enumerate(zip(self.ranges, devices)):
+            st = _Stage(s, tuple(r), dev, s == 0, s == len(devices) - 1)
+            tree = {"layers": [jax.tree.map(lambda a, j=plan[i][3]: a[j], params["groups"][plan[i][0]])
+                               for i in r]}
+            if st.first:
+                tree["embed"] = params["embed"]
+            if st.last:
+                tree["final_norm"] = params["final_norm"]
+                tree["lm_head" if not spec.tie_embeddings else "embed"] = (
+                    params["embed"] if spec.tie_embeddings else params["lm_head"])
+            self.stages.append(st)
+            self.params.append(jax.device_put(tree, dev))
+            self._fns.append(jax.jit(functools.partial(_stage_step, spec=spec, layers=st.layers, first=st.first,
+                                                       last=st.last), donate_argnums=(4,)))
+        self.dtype = jnp.dtype(jax.tree.leaves(params)[0].dtype)
+
+    def _empty_kv(self, st: _Stage):
+        plan = layer_plan(self.spec)
+        bufs = []
+        for i in st.layers:
+            K, H = kv_head_shape(self.spec, plan[i][1])
+            z = jnp.zeros((self.max_len, K, H), self.dtype, device=st.device)
+            bufs.append((z, z.copy()))
+        return bufs
+
+    def prefill(self, token_ids):
+        """(logits_V float32 of the last token, [(k [n, K, H], v [n, K, H]) per layer] as device arrays)."""
+        ids = np.asarray(token_ids, np.int32).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n > self.max_len:
+            raise ValueError(f"prompt of {n} tokens is longer than this pipeline's max_len={self.max_len}")
+        if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+        C = self.chunk
+        n_chunks = -(-n // C)
+        padded = np.zeros(n_chunks * C, np.int32)
+        padded[:n] = ids
+        kv = [self._empty_kv(st) for st in self.stages]
+        logits = None
+        for c in range(n_chunks):
+            start = c * C
+            pos = jnp.arange(start, start + C, dtype=jnp.int32)
+            last_row = min(n - 1 - start, C - 1)
+            x = padded[start:start + C]
+            for st, fn, p in zip(self.stages, self._fns, self.params):
+                x = jax.device_put(x, st.device)
+                x, kv[st.index] = fn(p, x, jax.device_put(pos, st.device), start, kv[st.index],
+                                     last_row=jnp.int32(max(last_row, 0)))
+            logits = x if c == n_chunks - 1 else None
+        per_layer = [(k[:n], v[:n]) for stage_kv in kv for k, v in stage_kv]
+        return logits, per_layer

@@ -1,0 +1,96 @@
+"""Pipeline-parallel prefill over fake CPU devices against the single-device whole-prompt forward (forward_dense),
+and the FLOPs stage split against brute force over every contiguous split."""
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import tiny_model
+from tbjax.model import forward_dense, init_params
+from tbjax.prefill_pipeline import PipelinePrefill, balanced_partition, layer_flops_per_token, split_layers
+from tbjax.spec import ModelSpec
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+
+
+def _deepseek():
+    spec = ModelSpec.from_hf_config(os.path.join(DATA, "deepseek_v3", "config.json")).replace(dtype="float32")
+    return spec, init_params(spec, jax.random.key(2), "float32", std=0.1)
+
+
+def test_flops_count_active_parameters():
+    """By hand from tests/data/hf_moe/deepseek_v3/config.json (hidden 64, intermediate 96, 8 routed experts of 32,
+    top-2, 1 shared expert of 32, noaux_tc bias): layer 0's dense FFN multiplies 64 + 3*64*96 = 18496 parameters;
+    an MoE layer 64 (norm) + 64*8 (router) + 8 (bias) + 3*64*32 (shared) + 2*3*64*32 (two routed) = 19016.
+    Attention (MLA, 4 heads, dims 16+8 / 16) adds 2 * 4 * (16 + 8 + 16) FLOPs per attended token."""
+    spec, _ = _deepseek()
+    f = layer_flops_per_token(spec, context=0)
+    assert f[1] - f[0] == pytest.approx(2 * (19016 - 18496))
+    assert f[1] == f[2]
+    g = layer_flops_per_token(spec, context=1000)
+    assert g[0] - f[0] == pytest.approx(2 * 4 * (16 + 8 + 16) * 1000)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 6])
+def test_partition_is_the_best_contiguous_split(parts):
+    rng = np.random.default_rng()
+    costs = rng.uniform(1, 10, 9) * rng.choice([1, 5], 9)
+    ranges = balanced_partition(costs, parts)
+    assert [i for r in ranges for i in r] == list(range(9)) and len(ranges) == parts and all(len(r) for r in ranges)
+    got = max(costs[list(r)].sum() for r in ranges)
+    best = min(max(costs[a:b].sum() for a, b in zip((0, *cuts), (*cuts, 9)))
+               for cuts in itertools.combinations(range(1, 9), parts - 1))
+    assert got == pytest.approx(best)
+
+
+def test_split_layers_balances_a_moe_model():
+    spec, _ = _deepseek()                 # layer 0 dense, layers 1-2 MoE
+    cost = np.array(layer_flops_per_token(spec, 64))
+    ranges = split_layers(spec, 2, 64)
+    assert max(cost[list(r)].sum() for r in ranges) == pytest.approx(min(max(cost[:c].sum(), cost[c:].sum())
+                                                                        for c in (1, 2)))
+    with pytest.raises(ValueError, match="pp must be"):
+        split_layers(spec, 4, 64)
+
+
+def _check_against_dense(spec, params, pp, n, chunk, tol):
+    devs = jax.devices()[:pp]
+    pipe = PipelinePrefill(spec, params, devs, chunk_tokens=chunk, max_len=96)
+    for st, p in zip(pipe.stages, pipe.params):                   # each stage's weights live on its own device
+        assert {d for leaf in jax.tree.leaves(p) for d in leaf.devices()} == {st.device}
+    ids = np.random.default_rng(n).integers(0, spec.vocab_size, n)
+    logits, kv = pipe.prefill(ids)
+    ref_logits, ref_kv = jax.jit(lambda p, t: forward_dense(p, spec, t))(params, jnp.asarray(ids, jnp.int32))
+    ref = np.asarray(ref_logits[n - 1])
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=tol * np.abs(ref).max())
+    assert len(kv) == spec.n_layers
+    for (k, v), (rk, rv) in zip(kv, ref_kv):
+        np.testing.assert_allclose(np.asarray(k), np.asarray(rk)[:, :, :k.shape[-1]], atol=tol)
+        np.testing.assert_allclose(np.asarray(v)[..., :rv.shape[-1]], np.asarray(rv), atol=tol)
+
+
+@pytest.mark.parametrize("pp,n,chunk", [(2, 37, 16), (3, 16, 16), (4, 50, 8), (1, 5, 16)])
+def test_pipeline_prefill_equals_whole_prompt_forward(pp, n, chunk):
+    spec, params = tiny_model(n_layers=5)
+    _check_against_dense(spec, params, pp, n, chunk, 2e-4)
+
+
+def test_pipeline_prefill_moe_mla_model():
+    spec, params = _deepseek()
+    _check_against_dense(spec, params, 3, 29, 8, 5e-4)
+
+
+def test_bad_prompts_and_stage_lists_are_refused():
+    spec, params = tiny_model(n_layers=5)
+    pipe = PipelinePrefill(spec, params, jax.devices()[:2], chunk_tokens=8, max_len=32)
+    with pytest.raises(ValueError, match="empty prompt"):
+        pipe.prefill([])
+    with pytest.raises(ValueError, match="max_len"):
+        pipe.prefill(np.zeros(33, np.int32))
+    with pytest.raises(ValueError, match="token ids"):
+        pipe.prefill([1, spec.vocab_size])
+    with pytest.raises(ValueError, match="must cover"):
+        PipelinePrefill(spec, params, jax.devices()[:2], stages=[range(0, 2), range(3, 5)])

@@ -8,18 +8,16 @@ multiplies: it asks `linear(p, "w_qkv", x)` and `p` decides.
 `p` is either
   * a plain dict of per-layer arrays (whole-prompt forwards, mesh forwards, prefill steps): XLA dots, or
   * a `LayerParams` view over the group's stacks + a layer index + a kernel impl (decode steps): the kernel
-    dispatcher (`decode_matmul` / `gate_up_silu`), which falls back to the reference with a logged warning
-    when the kernel can't take a shape.
+    dispatcher (`decode_matmul` / `gate_up_silu`) for the shapes the kernel takes, XLA dots for the others.
 Both accumulate in float32; results are cast to the activations' dtype unless `out_dtype` says otherwise.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-
-import logging
 
 from pallas_kernels.matmul import decode_matmul, gate_up_silu, kernel_unsupported_reason
 

@@ -10,6 +10,9 @@ experts count) and MLA attention cost different amounts per token.
     split_layers(spec, pp, context)       -> [range] contiguous stages minimizing the largest stage's FLOPs (exact)
     PipelinePrefill(spec, params, devices, chunk_tokens, max_len).prefill(token_ids)
                                           -> (logits_V float32 of the last prompt token, [(k_TKH, v_TKH)] per layer)
+    kv_to_transfer_pages(spec, kv, page_size, kv_dtype, device)
+                                          -> (pages [n, L, G, 2K, H], fp8 scales [n, L, 2K] or None, n): what a
+                                             decode engine's write_kv_pages takes (the same-host transfer layout)
 
 Execution: one jitted program per stage, with its layers' weights placed on its device (stage 0 also holds the
 embedding; the last stage the final norm and the output projection). The host issues, chunk by chunk, stage 0 ..
@@ -27,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention import write_kv
+from tbjax.engine.kv_cache import KVCacheConfig, init_kv_cache
 from tbjax.model import layers as ly
 from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
 from tbjax.model.params import group_shapes
@@ -222,3 +227,23 @@ class PipelinePrefill:
             logits = x if c == n_chunks - 1 else None
         per_layer = [(k[:n], v[:n]) for stage_kv in kv for k, v in stage_kv]
         return logits, per_layer
+
+
+def kv_to_transfer_pages(spec: ModelSpec, kv, page_size: int, kv_dtype: str, device=None):
+    """Dense per-layer prompt K/V ([n, K, H] each, any devices) -> the paged transfer layout of a decode engine:
+    pages [n_pages, L, G, 2K, H] and fp8 scales [n_pages, L, 2K] (None for bf16/f32), written by the engine's own
+    `write_kv` into fresh pools, so quantization and the K/V interleave are exactly the engine's."""
+    n = int(kv[0][0].shape[0])
+    n_pages = -(-n // page_size)
+    # page 0 of the scratch pools is the null page; the prompt fills pages 1..n_pages
+    pools = init_kv_cache(spec, KVCacheConfig(num_pages=n_pages + 1, page_size=page_size, dtype=kv_dtype))
+    slots = jnp.arange(page_size, page_size + n, dtype=jnp.int32)
+    write = jax.jit(write_kv, donate_argnums=(0, 1))
+    pages, scales = [], []
+    for (pg, sc), (k, v) in zip(pools, kv):
+        pg, sc = jax.device_put((pg, sc), device)
+        pg, sc = write(pg, sc, jax.device_put(k, device), jax.device_put(v, device), jax.device_put(slots, device))
+        pages.append(pg[1:])
+        scales.append(None if sc is None else sc[1:])
+    stacked = jnp.stack(pages, axis=1)
+    return stacked, (None if scales[0] is None else jnp.stack(scales, axis=1)), n_pages

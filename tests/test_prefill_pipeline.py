@@ -94,3 +94,58 @@ def test_bad_prompts_and_stage_lists_are_refused():
         pipe.prefill([1, spec.vocab_size])
     with pytest.raises(ValueError, match="must cover"):
         PipelinePrefill(spec, params, jax.devices()[:2], stages=[range(0, 2), range(3, 5)])
+
+
+def _decode_after_pipeline(spec, params, kv_dtype, prompts, n_out):
+    """Pipeline prefill on 2 fake devices -> transfer pages -> a decode Engine (late reservation) -> greedy tokens."""
+    from engine_helpers import byte_tokenizer
+    from tbjax.engine import Engine, EngineConfig
+    from tbjax.prefill_pipeline import kv_to_transfer_pages
+    from tbjax.sampling import SamplingParams
+    pipe = PipelinePrefill(spec, params, jax.devices()[:2], chunk_tokens=8, max_len=64)
+    dec = Engine(spec, params, byte_tokenizer(), EngineConfig(num_pages=48, page_size=4, max_num_seqs=8,
+                                                             kv_dtype=kv_dtype))
+    sp = SamplingParams.greedy(n_out, ignore_eos=True)
+    firsts, all_pages = {}, {}
+    for i, p in enumerate(prompts):
+        logits, kv = pipe.prefill(p)
+        firsts[i] = int(np.argmax(np.asarray(logits)))
+        pages, scales, n_pages = kv_to_transfer_pages(spec, kv, 4, kv_dtype, jax.devices()[0])
+        all_pages[i] = (kv, pages, scales)
+        ids = dec.reserve_kv(i, len(p))
+        assert len(ids) == n_pages and pages.shape[:2] == (n_pages, spec.n_layers)
+        dec.write_kv_pages(i, pages, scales, num_pages=n_pages)
+        dec.add_prefilled_request(i, list(p), firsts[i], sp)
+    outs = {}
+    while dec.has_unfinished():
+        for o in dec.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    dec.scheduler.check()
+    return {i: [firsts[i]] + outs.get(i, []) for i in range(len(prompts))}, all_pages
+
+
+def test_pipeline_prefill_feeds_a_decode_engine():
+    """The pipeline's KV, in the transfer layout, continues decoding on an engine exactly like whole-sequence
+    recompute (tiny float32 model: greedy tokens equal)."""
+    from engine_helpers import reference_greedy
+    spec, params = tiny_model()
+    prompts = [[int(t) for t in np.random.default_rng(n).integers(0, 256, n)] for n in (3, 9, 21)]
+    got, _ = _decode_after_pipeline(spec, params, "float32", prompts, 6)
+    for i, p in enumerate(prompts):
+        assert got[i] == reference_greedy(spec, params, p, 6), i
+
+
+def test_transfer_pages_fp8_dequantize_to_the_kv():
+    """fp8 pools: the pages (e4m3 + per page/head scales) dequantize to the pipeline's float K/V within e4m3's
+    relative step (2^-3 of the page/head absmax), and K/V are interleaved per head as the engine's pools are."""
+    from tbjax.prefill_pipeline import kv_to_transfer_pages
+    spec, params = tiny_model()
+    pipe = PipelinePrefill(spec, params, jax.devices()[:2], chunk_tokens=8, max_len=64)
+    _, kv = pipe.prefill(list(range(1, 19)))
+    pages, scales, n_pages = kv_to_transfer_pages(spec, kv, 4, "float8_e4m3fn", jax.devices()[0])
+    deq = np.asarray(pages, np.float32) * np.asarray(scales)[:, :, None, :, None]    # [P, L, G, 2K, H]
+    for l, (k, v) in enumerate(kv):
+        want = np.stack([np.asarray(k), np.asarray(v)], axis=2).reshape(18, -1, spec.head_dim)   # [n, 2K, H]
+        got = deq[:, l].reshape(n_pages * 4, -1, spec.head_dim)[:18]
+        amax = np.abs(want).max()
+        assert np.abs(got - want).max() <= amax * 2 ** -3 + 1e-6

@@ -4,6 +4,9 @@ Layout per layer: pages [P, G, 2K, H] with K and V interleaved on the kv-head ax
 2k+1 = V), so one copy of a page brings both; fp8 pools (e4m3fn / e5m2) carry float32 scales [P, 2K]
 (per page, per kv head, per K/V), raised and requantized by the write kernel as new tokens arrive.
 Page ids are per dp rank; page 0 of each rank is the null page that padding block-table entries point to.
+MLA models cache their latent form: one "kv head" of kv_lora_rank + qk_rope_head_dim dims per token (the compressed
+KV and the shared rope key), which the absorbed attention reads as both key and value (stored in both the K and the V
+slot, so the pool layout and kernels stay those of GQA; a K-only layout would halve it).
 """
 from __future__ import annotations
 
@@ -42,27 +45,34 @@ class KVCacheConfig:
         return self.jnp_dtype.itemsize == 1
 
 
+def cache_heads(spec: ModelSpec) -> tuple[int, int]:
+    """(kv heads K, dims H) of a layer's cache: GQA's kv heads, or MLA's one latent head of rank + rope dims."""
+    if spec.mla is not None:
+        return 1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+    return spec.n_kv_heads, spec.head_dim
+
+
 def bytes_per_token(spec: ModelSpec, dtype) -> int:
     """KV bytes one token occupies over all layers (scales excluded)."""
-    return spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * jnp.dtype(KV_DTYPES.get(dtype, dtype)).itemsize
+    K, H = cache_heads(spec)
+    return spec.n_layers * 2 * K * H * jnp.dtype(KV_DTYPES.get(dtype, dtype)).itemsize
 
 
 def init_kv_cache(spec: ModelSpec, cfg: KVCacheConfig):
     """List over layers of (pages_PGKH, scales_PK or None), zero-filled."""
-    if spec.mla is not None:
-        raise NotImplementedError("paged MLA latent cache is not wired into the engine yet")
-    shape = (cfg.num_pages, cfg.page_size, 2 * spec.n_kv_heads, spec.head_dim)
+    K, H = cache_heads(spec)
+    shape = (cfg.num_pages, cfg.page_size, 2 * K, H)
 
     def one():
         pages = jnp.zeros(shape, cfg.jnp_dtype)
-        scales = jnp.zeros((cfg.num_pages, 2 * spec.n_kv_heads), jnp.float32) if cfg.is_fp8 else None
+        scales = jnp.zeros((cfg.num_pages, 2 * K), jnp.float32) if cfg.is_fp8 else None
         return pages, scales
     return [one() for _ in range(spec.n_layers)]
 
 
 def page_bytes(spec: ModelSpec, page_size: int, dtype: str) -> int:
     """Device bytes of one page over all layers, fp8 scales included."""
-    scales = spec.n_layers * 2 * spec.n_kv_heads * 4 if jnp.dtype(KV_DTYPES[dtype]).itemsize == 1 else 0
+    scales = spec.n_layers * 2 * cache_heads(spec)[0] * 4 if jnp.dtype(KV_DTYPES[dtype]).itemsize == 1 else 0
     return bytes_per_token(spec, dtype) * page_size + scales
 
 

@@ -68,6 +68,7 @@ def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logpr
             o = paged_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"], scale=scale,
                                 sliding_window=window, kv_scales_PK=scales, impl=attn_impl)
         return o, (pages, scales)
+    attend.mla_latent = spec.mla is not None     # MLA layers hand over their latent form (one kv head, k == v)
 
     h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches, kernel_impl=mm)
     logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=mm)

@@ -247,3 +247,102 @@ def kv_to_transfer_pages(spec: ModelSpec, kv, page_size: int, kv_dtype: str, dev
         scales.append(None if sc is None else sc[1:])
     stacked = jnp.stack(pages, axis=1)
     return stacked, (None if scales[0] is None else jnp.stack(scales, axis=1)), n_pages
+
+
+class PipelinePrefillEngine:
+    """A prefill-only engine over a PipelinePrefill: the subset of `Engine` a prefill worker drives
+    (add_request(..., prefill_only=True) / step / has_unfinished / abort / export_kv / stats), so a
+    disaggregated prefill worker can own a `pp` mesh instead of one device.
+
+    One prompt per step (the pipeline's chunks are what fill the stages). The first token is sampled from the
+    last position's logits with the request's sampling parameters and the engine's seed convention
+    (fold_in(seed, position)); `export_kv(..., on_device=True)` gives the decode side's transfer layout.
+    """
+
+    def __init__(self, spec: ModelSpec, params, tokenizer, devices, *, page_size: int = 16, kv_dtype: str = "auto",
+                 chunk_tokens: int = 256, max_model_len: int | None = None, stages: list[range] | None = None):
+        import random
+        import types
+
+        self.spec, self.tokenizer = spec, tokenizer
+        self.max_model_len = min(max_model_len or spec.max_position, spec.max_position)
+        self.pipe = PipelinePrefill(spec, params, devices, chunk_tokens=min(chunk_tokens, self.max_model_len),
+                                    max_len=self.max_model_len, stages=stages)
+        self.page_size = page_size
+        self.kv_dtype = str(jax.tree.leaves(params)[0].dtype) if kv_dtype == "auto" else kv_dtype
+        self.device = self.pipe.stages[0].device
+        # what page_layout / scales_layout / pool_device of a prefill worker read: one page of every layer
+        probe = init_kv_cache(spec, KVCacheConfig(num_pages=2, page_size=page_size, dtype=self.kv_dtype))
+        self.runner = types.SimpleNamespace(caches=jax.device_put(probe, self.device), num_compiled=0)
+        self._rng = random.Random()
+        self._queue: list = []
+        self._done: dict = {}
+        self.num_steps = 0
+
+    def add_request(self, request_id, prompt_token_ids, params, *, prefill_only: bool = False) -> None:
+        if not prefill_only:
+            raise ValueError("a pipeline prefill engine only runs prefill_only requests (decode runs elsewhere)")
+        ids = [int(t) for t in prompt_token_ids]
+        params.validate(self.spec.vocab_size)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output (max_model_len "
+                             f"{self.max_model_len})")
+        if any(not 0 <= t < self.spec.vocab_size for t in ids):
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+        if request_id in self._done or any(r[0] == request_id for r in self._queue):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        self._queue.append((request_id, ids, params, seed & 0xFFFFFFFF))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    def abort(self, request_id) -> bool:
+        n = len(self._queue)
+        self._queue = [r for r in self._queue if r[0] != request_id]
+        return self._done.pop(request_id, None) is not None or len(self._queue) != n
+
+    def step(self):
+        from tbjax.engine.engine import RequestOutput
+        from tbjax.sampling import sample
+        if not self._queue:
+            return []
+        rid, ids, p, seed = self._queue.pop(0)
+        logits, kv = self.pipe.prefill(ids)
+        f32 = lambda v: jnp.asarray([v], jnp.float32)   # noqa: E731
+        tok, _ = sample(logits[None].astype(jnp.float32), f32(p.temperature), jnp.asarray([p.top_k], jnp.int32),
+                        f32(p.top_p), f32(p.min_p), jnp.asarray([seed], jnp.uint32),
+                        jnp.asarray([len(ids)], jnp.int32))
+        first = int(np.asarray(tok)[0])
+        self.num_steps += 1
+        eos = () if p.ignore_eos else tuple(getattr(self.tokenizer, "eos_token_ids", ()) or self.spec.eos_token_ids)
+        stop_tok = first in set(p.stop_token_ids) | set(eos)
+        text = "" if stop_tok else self.tokenizer.decode([first], skip_special_tokens=True)
+        stop_str = next((s for s in p.stop if s in text), None)
+        if stop_str is not None:
+            text = text[:text.find(stop_str)]
+        reason = "stop" if (stop_tok or stop_str is not None) else "length"
+        self._done[rid] = (ids, first, kv)
+        return [RequestOutput(rid, [first], text, True, reason)]
+
+    def export_kv(self, request_id, *, on_device: bool = False):
+        """The KV of a prefilled request in the transfer layout (device arrays; `on_device=False` lists over
+        layers on the host, like Engine.export_kv); it is dropped from this engine after."""
+        from tbjax.engine.engine import KVExport
+        got = self._done.pop(request_id, None)
+        if got is None:
+            raise KeyError(f"request {request_id!r} has no KV to export (unknown, still queued or already exported)")
+        ids, first, kv = got
+        pages, scales, n_pages = kv_to_transfer_pages(self.spec, kv, self.page_size, self.kv_dtype, self.device)
+        if on_device:
+            return KVExport(request_id, ids, first, None, None, pages, scales, n_pages)
+        hp = np.asarray(jax.device_get(pages))
+        hs = None if scales is None else np.asarray(jax.device_get(scales))
+        return KVExport(request_id, ids, first, [hp[:, l] for l in range(hp.shape[1])],
+                        None if hs is None else [hs[:, l] for l in range(hs.shape[1])])
+
+    def stats(self) -> dict:
+        return {"running": 0, "waiting": len(self._queue), "steps": self.num_steps, "held": len(self._done),
+                "pp_stages": [[r.start, r.stop] for r in self.pipe.ranges]}

@@ -149,3 +149,59 @@ def test_transfer_pages_fp8_dequantize_to_the_kv():
         got = deq[:, l].reshape(n_pages * 4, -1, spec.head_dim)[:18]
         amax = np.abs(want).max()
         assert np.abs(got - want).max() <= amax * 2 ** -3 + 1e-6
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_pipeline_prefill_engine_in_a_disaggregated_pair(on_device):
+    """PipelinePrefillEngine (2 stages) as the prefill side of the PD engine API, a plain Engine as the decode side:
+    greedy output = whole-sequence recompute; seeded sampling draws the colocated engine's first token."""
+    from engine_helpers import byte_tokenizer, reference_greedy
+    from tbjax.engine import Engine, EngineConfig
+    from tbjax.prefill_pipeline import PipelinePrefillEngine
+    from tbjax.sampling import SamplingParams
+    spec, params = tiny_model()
+    tok = byte_tokenizer()
+    pre = PipelinePrefillEngine(spec, params, tok, jax.devices()[:2], page_size=4, chunk_tokens=8, max_model_len=64)
+    dec = Engine(spec, params, tok, EngineConfig(num_pages=48, page_size=4, max_num_seqs=8))
+    prompts = [[int(t) for t in np.random.default_rng(n + 7).integers(0, 256, n)] for n in (2, 11, 26)]
+    sp = SamplingParams.greedy(5, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        pre.add_request(i, p, sp, prefill_only=True)
+    firsts = {}
+    while pre.has_unfinished():
+        for o in pre.step():
+            assert o.finished and len(o.new_token_ids) == 1
+            firsts[o.request_id] = o.new_token_ids[0]
+    for i, p in enumerate(prompts):
+        kv = pre.export_kv(i, on_device=on_device)
+        assert kv.first_token == firsts[i] and kv.num_pages == -(-len(p) // 4)
+        dec.reserve_kv(i, kv.num_tokens)
+        if on_device:
+            dec.write_kv_pages(i, kv.device_pages, kv.device_scales, num_pages=kv.num_pages)
+        else:
+            dec.write_kv_pages(i, kv.pages, kv.scales)
+        dec.add_prefilled_request(i, p, kv.first_token, sp)
+    outs = {}
+    while dec.has_unfinished():
+        for o in dec.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for i, p in enumerate(prompts):
+        assert [firsts[i]] + outs[i] == reference_greedy(spec, params, p, 5), i
+    with pytest.raises(KeyError):
+        pre.export_kv(0)
+    with pytest.raises(ValueError, match="prefill_only"):
+        pre.add_request("x", [1, 2], sp)
+    # seeded sampling: same first token as a colocated engine (same key convention, same logits up to rounding)
+    colo = Engine(spec, params, tok, EngineConfig(num_pages=48, page_size=4, max_num_seqs=8))
+    same = 0
+    for s in range(8):
+        hot = SamplingParams(max_tokens=1, temperature=1.0, seed=s, ignore_eos=True)
+        pre.add_request(("s", s), prompts[1], hot, prefill_only=True)
+        colo.add_request(("s", s), prompts[1], hot)
+    a = {o.request_id: o.new_token_ids[0] for _ in range(8) for o in pre.step()}
+    b = {}
+    while colo.has_unfinished():
+        for o in colo.step():
+            b.setdefault(o.request_id, o.new_token_ids[0])
+    same = sum(a[k] == b[k] for k in a)
+    assert same == 8 and len(set(a.values())) > 1

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--kv-timeout", type=float, default=10.0,
                     help="decode: seconds a KV reservation (or landed KV) lives without progress")
     pd.add_argument("--kv-chunk-pages", type=int, default=8, help="prefill: KV pages per transfer chunk")
+    pd.add_argument("--pp", type=int, default=1,
+                    help="prefill / split: pipeline-parallel prefill over this many devices (layers split by FLOPs, "
+                         "prompts in chunks of --max-num-batched-tokens); split: decode on the next device")
     pd.add_argument("--kv-shm-mb", type=int, default=256,
                     help="decode: shared-memory arena (MiB) for KV from prefill workers on this host (0: gRPC only); "
                          "prefill: 0 never offers shared memory")
@@ -100,6 +103,8 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
                                    ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype)) if v is not None}
     if a.role == "router":   # the router only tokenizes and validates: its engine never runs
         engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
+    if a.pp > 1:
+        return _pipeline_models(a, engine_kw)
     if a.model == "synthetic":    # SmolLM2-135M shapes, random weights (benchmarks where the model file is absent)
         from .synthetic import synthetic_served_model
         if a.role == "split":
@@ -111,6 +116,32 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
                      for dev in split_devices())
     llm = tbjax.LLM(a.model, progress=False, **engine_kw)
     return ServedModel.from_llm(llm, name=name)
+
+
+def _pipeline_models(a: argparse.Namespace, engine_kw: dict):
+    """--pp N: the prefill model is a pipeline over the first N devices; with --role split the decode engine gets
+    device N."""
+    import jax
+    devs = jax.devices()
+    need = a.pp + (1 if a.role == "split" else 0)
+    if len(devs) < need:
+        raise SystemExit(f"tbjax: --pp {a.pp} with --role {a.role} needs {need} devices, this process has {len(devs)}")
+    pipe_devs = devs[:a.pp]
+    if a.model == "synthetic":
+        from .synthetic import synthetic_served_model
+        pre = synthetic_served_model(pipeline_devices=pipe_devs, **engine_kw)
+        if a.role != "split":
+            return pre
+        return pre, synthetic_served_model(device=devs[a.pp], **engine_kw)
+    import tbjax
+    from tbjax.weights import load_model
+    from .model import pipeline_served_model
+    name = a.served_model_name or model_name_for_path(a.model)
+    spec, params, tok = load_model(a.model, progress=False)
+    pre = pipeline_served_model(spec, params, tok, pipe_devs, name=name, **engine_kw)
+    if a.role != "split":
+        return pre
+    return pre, ServedModel.from_llm(_llm_on(tbjax, a.model, devs[a.pp], engine_kw), name=name)
 
 
 def split_devices():
@@ -132,9 +163,13 @@ def _warmup(model: ServedModel) -> float:
     t0 = time.perf_counter()
     eng = model.engine
     ids = model.tokenizer.encode("Hello")
-    eng.add_request("__warmup__", ids, model.make_params(max_tokens=4, temperature=0.0))
+    pipeline = getattr(eng, "pipe", None) is not None        # a prefill-only pipeline engine
+    kw = {"prefill_only": True} if pipeline else {}
+    eng.add_request("__warmup__", ids, model.make_params(max_tokens=4, temperature=0.0), **kw)
     while eng.has_unfinished():
         eng.step()
+    if pipeline:
+        eng.abort("__warmup__")                              # drop the held KV
     return time.perf_counter() - t0
 
 
@@ -208,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--role router needs --prefill-workers and --decode-workers")
     if a.role == "split" and a.fake_engine:
         ap.error("--role split serves the real model; --fake-engine is for colocated front-end tests")
+    if a.pp < 1 or (a.pp > 1 and a.role not in ("prefill", "split")):
+        ap.error(f"--pp must be >= 1, and > 1 only with --role prefill or split (got --pp {a.pp}, --role {a.role})")
+    if a.pp > 1 and a.fake_engine:
+        ap.error("--pp pipelines the real model; --fake-engine has none")
     if a.role != "router" and (a.prefill_workers or a.decode_workers):
         ap.error(f"--prefill-workers / --decode-workers are for --role router, not {a.role}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -58,3 +58,19 @@ class ServedModel:
         return cls(name=name or getattr(llm, "model_name", None) or DEFAULT_MODEL_NAME, arch=spec.arch,
                    tokenizer=tok, vocab_size=spec.vocab_size, max_context=ctx, eos_token_ids=eos,
                    make_params=SamplingParams, engine=engine)
+
+
+def pipeline_served_model(spec, params, tokenizer, devices, *, name: str, page_size: int | None = None,
+                          kv_dtype: str | None = None, max_model_len: int | None = None,
+                          max_num_batched_tokens: int | None = None, **_ignored) -> ServedModel:
+    """A prefill worker's model over a pipeline of `devices` (tbjax.prefill_pipeline.PipelinePrefillEngine):
+    layers split over the devices by FLOPs, prompts in chunks of max_num_batched_tokens (default 256)."""
+    from tbjax.prefill_pipeline import PipelinePrefillEngine
+    from tbjax.sampling import SamplingParams
+
+    eng = PipelinePrefillEngine(spec, params, tokenizer, devices, page_size=page_size or 16,
+                                kv_dtype=kv_dtype or "auto", chunk_tokens=max_num_batched_tokens or 256,
+                                max_model_len=max_model_len)
+    eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or spec.eos_token_ids)
+    return ServedModel(name=name, arch=spec.arch, tokenizer=tokenizer, vocab_size=spec.vocab_size,
+                       max_context=eng.max_model_len, eos_token_ids=eos, make_params=SamplingParams, engine=eng)

@@ -10,9 +10,10 @@ SYNTHETIC_NAME = "synthetic"
 
 
 def synthetic_served_model(n_layers: int | None = None, dtype: str = "bfloat16", seed: int = 0, device=None,
-                           **engine_kw):
+                           pipeline_devices=None, **engine_kw):
     """A ServedModel with SmolLM2-135M's shapes (llama, 30 layers, d 576, 9/3 heads, vocab 49152) and random
-    weights, plus a tokenizer that can decode every id: for benchmarking where the model file is absent."""
+    weights, plus a tokenizer that can decode every id: for benchmarking where the model file is absent.
+    pipeline_devices: a prefill-only pipeline engine over those devices (serving.model.pipeline_served_model)."""
     import jax
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -37,6 +38,9 @@ def synthetic_served_model(n_layers: int | None = None, dtype: str = "bfloat16",
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tok = TextTokenizer(tk, eos_token_ids=(2,))
+    if pipeline_devices is not None:
+        from serving.model import pipeline_served_model
+        return pipeline_served_model(spec, params, tok, pipeline_devices, name="synthetic-smollm2-135m", **engine_kw)
     if device is not None:
         with jax.default_device(device):
             engine = Engine(spec, params, tok, EngineConfig(**engine_kw))

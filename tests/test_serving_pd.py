@@ -145,3 +145,49 @@ def test_split_role_serves_prefill_and_decode_on_disjoint_devices_in_one_process
         finally:
             if p.poll() is None:
                 p.kill()
+
+
+def _pipeline_reference(llm, prompt):
+    """In-process: a 2-stage PipelinePrefillEngine prefills, the colocated LLM's engine decodes from its KV (bf16:
+    the pipeline's attention rounds differently from the engine's prefill, so near-ties may differ from colocated)."""
+    import jax
+    from tbjax.prefill_pipeline import PipelinePrefillEngine
+    pre = PipelinePrefillEngine(llm.spec, llm.params, llm.tokenizer, jax.devices()[:2], page_size=16,
+                                chunk_tokens=256, max_model_len=llm.engine.max_model_len)
+    ids = llm.tokenizer.encode(prompt)
+    sp = SamplingParams.greedy(N_TOK)
+    pre.add_request("r", ids, sp, prefill_only=True)
+    first = pre.step()[0].new_token_ids[0]
+    kv = pre.export_kv("r", on_device=True)
+    dec = llm.engine
+    dec.reserve_kv("r", kv.num_tokens)
+    dec.write_kv_pages("r", kv.device_pages, kv.device_scales, num_pages=kv.num_pages)
+    dec.add_prefilled_request("r", ids, first, sp)
+    out = [first]
+    while dec.has_unfinished():
+        for o in dec.step():
+            out += o.new_token_ids
+    return out
+
+
+def test_split_role_with_a_pipeline_parallel_prefill(cluster):
+    """`--role split --pp 2`: the prefill worker is a 2-stage pipeline (devices 0-1, layers split by FLOPs), the
+    decode engine on device 2. The stream equals the same pipeline + decode engine driven in-process, and its first
+    token equals colocated (the pipeline's numerics are checked against recompute in test_prefill_pipeline.py)."""
+    refs = [_pipeline_reference(cluster["llm"], prompt) for prompt in PROMPTS]
+    p = _start("split", *ENGINE, "--pp", "2", "--warmup")
+    try:
+        addr = _address(p)
+        with Client(addr, timeout=300) as c:
+            for prompt, want, colo in zip(PROMPTS, refs, cluster["ref"]):
+                chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
+                got = [t for ch in chunks for t in ch.token_ids]
+                assert got == want and len(got) == N_TOK
+                assert got[0] == colo.token_ids[0]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            assert p.wait(60) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()

@@ -50,9 +50,10 @@ def test_forward_through_the_kernel_matches_float32(kernel_calls):
     pos = jnp.arange(T, dtype=jnp.int32)
     att = _dense_attend(pos)
 
-    def run(params, impl):
-        h, _ = forward_hidden(params, spec, toks, pos, att, [None] * spec.n_layers, kernel_impl=impl)
-        return np.asarray(lm_logits(params, spec, h, kernel_impl=impl), np.float64)
+    def run(params, impl):   # jitted: eager op-by-op dispatch around the GPU interpreter's callbacks can deadlock
+        f = jax.jit(lambda p: lm_logits(p, spec, forward_hidden(p, spec, toks, pos, att, [None] * spec.n_layers,
+                                                               kernel_impl=impl)[0], kernel_impl=impl))
+        return np.asarray(f(params), np.float64)
 
     ref = run(p32, None)                               # float32 weights and math
     ref16w = run(jax.tree.map(lambda a: a.astype(jnp.float32), p16), None)   # float32 math, bf16-rounded weights
@@ -118,9 +119,10 @@ def test_shapes_the_kernel_cannot_take_use_xla_dots(kernel_calls):
     pos = jnp.arange(T, dtype=jnp.int32)
     att = _dense_attend(pos)
 
-    def run(params, impl):
-        h, _ = forward_hidden(params, spec, toks, pos, att, [None] * spec.n_layers, kernel_impl=impl)
-        return np.asarray(lm_logits(params, spec, h, kernel_impl=impl), np.float64)
+    def run(params, impl):   # jitted: eager op-by-op dispatch around the GPU interpreter's callbacks can deadlock
+        f = jax.jit(lambda p: lm_logits(p, spec, forward_hidden(p, spec, toks, pos, att, [None] * spec.n_layers,
+                                                               kernel_impl=impl)[0], kernel_impl=impl))
+        return np.asarray(f(params), np.float64)
     ref = run(jax.tree.map(lambda a: a.astype(jnp.float32), p16), None)
     n0 = len(kernel_calls)
     got = run(p16, "gpu")

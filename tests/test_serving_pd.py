@@ -3,6 +3,7 @@ processes (`python -m tbjax.serve --role prefill|decode|router`). Streamed greed
 colocated `tbjax.LLM` output (token ids and text), and both workers end with every KV page free. Fault: the prefill
 process is killed mid-transfer (a test hook makes it hang after one KV chunk): the client gets UNAVAILABLE, the decode
 worker frees its reservation within the KV timeout, and its allocator is full again."""
+import contextlib
 import json
 import os
 import re
@@ -39,6 +40,21 @@ def _start(role, *args, env=None):
                          env={**os.environ, **(env or {})})
     p.err = err
     return p
+
+
+@contextlib.contextmanager
+def _served(role, *args):
+    """A `tbjax.serve` process for the block's duration (its address); it must exit cleanly on SIGTERM."""
+    p = _start(role, *args)
+    try:
+        yield _address(p)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            assert p.wait(60) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
 
 
 def _address(p):
@@ -130,21 +146,11 @@ def test_killed_prefill_mid_transfer_frees_the_reservation(cluster):
 
 def test_split_role_serves_prefill_and_decode_on_disjoint_devices_in_one_process(cluster):
     """`--role split`: router + prefill worker + decode worker in one process, engines on devices 0 and N/2."""
-    p = _start("split", *ENGINE)
-    try:
-        addr = _address(p)
-        with Client(addr, timeout=300) as c:
-            for prompt, want in zip(PROMPTS, cluster["ref"]):
-                chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
-                assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
-                assert "".join(ch.text for ch in chunks) == want.text
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            assert p.wait(60) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
+    with _served("split", *ENGINE) as addr, Client(addr, timeout=300) as c:
+        for prompt, want in zip(PROMPTS, cluster["ref"]):
+            chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
+            assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
+            assert "".join(ch.text for ch in chunks) == want.text
 
 
 def _pipeline_reference(llm, prompt):
@@ -175,19 +181,9 @@ def test_split_role_with_a_pipeline_parallel_prefill(cluster):
     decode engine on device 2. The stream equals the same pipeline + decode engine driven in-process, and its first
     token equals colocated (the pipeline's numerics are checked against recompute in test_prefill_pipeline.py)."""
     refs = [_pipeline_reference(cluster["llm"], prompt) for prompt in PROMPTS]
-    p = _start("split", *ENGINE, "--pp", "2", "--warmup")
-    try:
-        addr = _address(p)
-        with Client(addr, timeout=300) as c:
-            for prompt, want, colo in zip(PROMPTS, refs, cluster["ref"]):
-                chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
-                got = [t for ch in chunks for t in ch.token_ids]
-                assert got == want and len(got) == N_TOK
-                assert got[0] == colo.token_ids[0]
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            assert p.wait(60) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
+    with _served("split", *ENGINE, "--pp", "2", "--warmup") as addr, Client(addr, timeout=300) as c:
+        for prompt, want, colo in zip(PROMPTS, refs, cluster["ref"]):
+            chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
+            got = [t for ch in chunks for t in ch.token_ids]
+            assert got == want and len(got) == N_TOK
+            assert got[0] == colo.token_ids[0]

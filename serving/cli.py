@@ -127,6 +127,13 @@ def _pipeline_models(a: argparse.Namespace, engine_kw: dict):
     if len(devs) < need:
         raise SystemExit(f"tbjax: --pp {a.pp} with --role {a.role} needs {need} devices, this process has {len(devs)}")
     pipe_devs = devs[:a.pp]
+    try:
+        return _pipeline_models_on(a, engine_kw, devs, pipe_devs)
+    except (NotImplementedError, ValueError) as e:
+        raise SystemExit(f"tbjax: --pp {a.pp}: {e}") from None
+
+
+def _pipeline_models_on(a, engine_kw, devs, pipe_devs):
     if a.model == "synthetic":
         from .synthetic import synthetic_served_model
         pre = synthetic_served_model(pipeline_devices=pipe_devs, **engine_kw)

@@ -229,10 +229,18 @@ class PipelinePrefill:
         return logits, per_layer
 
 
+def _no_mla_export(spec: ModelSpec) -> None:
+    if spec.mla is not None:
+        raise NotImplementedError("pipeline prefill keeps MLA K/V in the expanded per-head form, while the decode "
+                                  "engine caches the latent form: exporting MLA KV from the pipeline is not supported "
+                                  "yet (PipelinePrefill.prefill itself works for MLA models)")
+
+
 def kv_to_transfer_pages(spec: ModelSpec, kv, page_size: int, kv_dtype: str, device=None):
     """Dense per-layer prompt K/V ([n, K, H] each, any devices) -> the paged transfer layout of a decode engine:
     pages [n_pages, L, G, 2K, H] and fp8 scales [n_pages, L, 2K] (None for bf16/f32), written by the engine's own
     `write_kv` into fresh pools, so quantization and the K/V interleave are exactly the engine's."""
+    _no_mla_export(spec)
     n = int(kv[0][0].shape[0])
     n_pages = -(-n // page_size)
     # page 0 of the scratch pools is the null page; the prompt fills pages 1..n_pages
@@ -264,6 +272,7 @@ class PipelinePrefillEngine:
         import random
         import types
 
+        _no_mla_export(spec)
         self.spec, self.tokenizer = spec, tokenizer
         self.max_model_len = min(max_model_len or spec.max_position, spec.max_position)
         self.pipe = PipelinePrefill(spec, params, devices, chunk_tokens=min(chunk_tokens, self.max_model_len),

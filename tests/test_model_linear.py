@@ -4,6 +4,8 @@ References: the same forward in float32 with XLA dots (the definition), and the 
 must be as close to float32 as the XLA path is, must really run the kernel (counted), and must read the stacked
 weights with a layer index (never a sliced copy).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,16 @@ def _dense_attend(positions):
     return attend
 
 
+def _logits(spec, toks, params, impl):
+    """float64 last-layer logits of a whole-prompt forward with dense attention; impl None = XLA dots. Jitted:
+    eager op-by-op dispatch around the GPU interpreter's callbacks deadlocked once."""
+    pos = jnp.arange(toks.shape[0], dtype=jnp.int32)
+    att = _dense_attend(pos)
+    f = jax.jit(lambda p: lm_logits(p, spec, forward_hidden(p, spec, toks, pos, att, [None] * spec.n_layers,
+                                                           kernel_impl=impl)[0], kernel_impl=impl))
+    return np.asarray(f(params), np.float64)
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     calls = []
@@ -47,13 +59,7 @@ def test_forward_through_the_kernel_matches_float32(kernel_calls):
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
     T = 5
     toks = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab_size, T), jnp.int32)
-    pos = jnp.arange(T, dtype=jnp.int32)
-    att = _dense_attend(pos)
-
-    def run(params, impl):   # jitted: eager op-by-op dispatch around the GPU interpreter's callbacks can deadlock
-        f = jax.jit(lambda p: lm_logits(p, spec, forward_hidden(p, spec, toks, pos, att, [None] * spec.n_layers,
-                                                               kernel_impl=impl)[0], kernel_impl=impl))
-        return np.asarray(f(params), np.float64)
+    run = functools.partial(_logits, spec, toks)
 
     ref = run(p32, None)                               # float32 weights and math
     ref16w = run(jax.tree.map(lambda a: a.astype(jnp.float32), p16), None)   # float32 math, bf16-rounded weights
@@ -114,15 +120,9 @@ def test_shapes_the_kernel_cannot_take_use_xla_dots(kernel_calls):
     spec = _spec(ffn_dim=96)
     p32 = init_params(spec, jax.random.key(5), "float32", std=0.1)
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
-    T = 3
     toks = jnp.asarray([1, 2, 3], jnp.int32)
-    pos = jnp.arange(T, dtype=jnp.int32)
-    att = _dense_attend(pos)
+    run = functools.partial(_logits, spec, toks)
 
-    def run(params, impl):   # jitted: eager op-by-op dispatch around the GPU interpreter's callbacks can deadlock
-        f = jax.jit(lambda p: lm_logits(p, spec, forward_hidden(p, spec, toks, pos, att, [None] * spec.n_layers,
-                                                               kernel_impl=impl)[0], kernel_impl=impl))
-        return np.asarray(f(params), np.float64)
     ref = run(jax.tree.map(lambda a: a.astype(jnp.float32), p16), None)
     n0 = len(kernel_calls)
     got = run(p16, "gpu")

@@ -205,3 +205,15 @@ def test_pipeline_prefill_engine_in_a_disaggregated_pair(on_device):
             b.setdefault(o.request_id, o.new_token_ids[0])
     same = sum(a[k] == b[k] for k in a)
     assert same == 8 and len(set(a.values())) > 1
+
+
+def test_mla_kv_export_is_refused_clearly():
+    from engine_helpers import byte_tokenizer
+    from tbjax.prefill_pipeline import PipelinePrefillEngine, kv_to_transfer_pages
+    spec, params = _deepseek()
+    with pytest.raises(NotImplementedError, match="latent form"):
+        PipelinePrefillEngine(spec, params, byte_tokenizer(), jax.devices()[:2], max_model_len=32)
+    pipe = PipelinePrefill(spec, params, jax.devices()[:1], chunk_tokens=8, max_len=16)
+    _, kv = pipe.prefill([1, 2, 3])
+    with pytest.raises(NotImplementedError, match="latent form"):
+        kv_to_transfer_pages(spec, kv, 4, "float32")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from serving.client import Client
 from serving.fake_engine import FakeTokenizer, reference
 
@@ -91,3 +93,20 @@ def test_serve_cli_rejects_bad_limits():
     r = subprocess.run([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--max-concurrent-requests", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "max_concurrent_requests" in r.stderr
+
+
+@pytest.mark.parametrize("args,msg", [(["--role", "colocated", "--pp", "2"], "--pp"),
+                                      (["--role", "prefill", "--pp", "0"], "--pp"),
+                                      (["--role", "prefill", "--pp", "2", "--fake-engine"], "--fake-engine")])
+def test_serve_cli_rejects_bad_pp(args, msg):
+    from serving.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+
+
+def test_serve_cli_pp_beyond_the_devices_or_layers_is_a_clear_exit():
+    from serving.cli import build_parser, load_served_model
+    a = build_parser().parse_args(["--role", "prefill", "--pp", "9", "--model", "synthetic"])
+    with pytest.raises(SystemExit, match="needs 9 devices"):
+        load_served_model(a)

@@ -199,6 +199,29 @@ def column_positions(cfg, b, col, logical_page):
   return logical_page(b // spp) * G + (b % spp) * BK + col
 
 
+def online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc, qpos=None):
+  """Soft cap, causal / window mask (ragged: per query position `qpos`), then one online-softmax update (base 2).
+
+  Returns (p, m_new, l_new, acc rescaled): the caller adds p @ V to acc. Shared by both GPU kernels.
+  """
+  if cfg.soft_cap is not None:
+    logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
+  valid = pos < kv_len
+  if qpos is not None:
+    valid = valid & (pos <= qpos)
+    if cfg.window is not None:
+      valid = valid & (pos > qpos - cfg.window)
+  elif cfg.window is not None:
+    valid = valid & (pos > kv_len - 1 - cfg.window)
+  logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
+  m_new = jnp.maximum(m_i, logits.max(axis=1))
+  alpha = jnp.exp2(m_i - m_new)
+  p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+  l_i = l_i * alpha + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  return p, m_new, l_i, acc
+
+
 def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None):
   """Which KV blocks one program reads, shared by the kernels here and in gpu_fp8.py.
 
@@ -350,22 +373,8 @@ def _kernel(cfg: KernelConfig, *refs):
       logits = logits * cfg.scale
       if cfg.fp8:
         logits = logits * ksc
-      if cfg.soft_cap is not None:
-        logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
-      valid = pos < kv_len
-      if cfg.ragged:
-        valid = valid & (pos <= qpos)
-        if cfg.window is not None:
-          valid = valid & (pos > qpos - cfg.window)
-      elif cfg.window is not None:
-        valid = valid & (pos > kv_len - 1 - cfg.window)
-      logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
-
-      m_new = jnp.maximum(m_i, logits.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p, m_new, l_i, acc = online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc,
+                                               qpos if cfg.ragged else None)
       if cfg.fp8:
         p = p * vsc
       p16 = p.astype(cdt)

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu import LOG2E, M_INIT, ROWS, _tiles, block_walk, column_positions, page_columns
+from .gpu import M_INIT, ROWS, _tiles, block_walk, column_positions, online_softmax_step, page_columns
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -250,18 +250,7 @@ def _kernel_ws(cfg, C, *refs):
       ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
 
       logits = logits * (cfg.scale * widen) * ksc
-      if cfg.soft_cap is not None:
-        logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
-      valid = pos < kv_len
-      if cfg.window is not None:
-        valid = valid & (pos > kv_len - 1 - cfg.window)
-      logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
-
-      m_new = jnp.maximum(m_i, logits.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p, m_new, l_i, acc = online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc)
       p16 = (p * vsc).astype(cdt)
       if p_smem is not None:  # the interpreter needs the wgmma A operand in shared memory (one per compute WG)
         p_smem.at[c][...] = p16

@@ -15,6 +15,12 @@ What it measures, all in one process and one run so ratios are comparable:
               process runs with --xla_gpu_enable_triton_gemm=false).
   variants:   kernel options (TileConfig fields) against the auto plan on a few shapes, each checked
               against the reference (VARIANT_SHAPES=name:dtype,... picks the shapes).
+  fsmoke:     the one-launch kernel modes (gpu_fused.py: "direct", "sem") against the reference, run twice;
+              modes that pass are appended to $OUT/fsmoke_modes (run it in its own process first).
+  percall:    per-call time (us per layer) of the small and big shapes at T = 1, 8, 32, 64 (PERCALL_TS):
+              "old" = kernel + float32 partials + XLA epilogue, "direct"/"sem" = one-launch kernels
+              (bf16 out), "dispatch" = the library entry point with its defaults, XLA dots (triton on /
+              cuBLAS); PERCALL_MODES / PERCALL_SHAPES pick; each checked against the reference.
   smoke:      fp8 unscaled / per-channel / block-scaled and bf16, each against the reference
               (SMOKE_KINDS picks; exit code 3 if one fails). tune: a few tile configurations.
 Each timed call runs L layers (L chosen so a call streams >= ~1.5 GB, far above the 50 MB L2);
@@ -45,7 +51,7 @@ LLAMA = [("llama8b.qkv", 4096, 6144), ("llama8b.o", 4096, 4096), ("llama8b.gate_
 DSV3 = [("dsv3.expert_up", 7168, 2048), ("dsv3.expert_down", 2048, 7168)]
 TS = (1, 8, 32, 64, 128)
 T0 = time.perf_counter()
-RESULTS: dict = {"rows": [], "loops": [], "fused": [], "tune": [], "smoke": [], "variants": [], "errors": []}
+RESULTS: dict = {"rows": [], "loops": [], "fused": [], "percall": [], "fsmoke": [], "tune": [], "smoke": [], "variants": [], "errors": []}
 OUT_NAME = "bench_decode_matmul.json"
 
 
@@ -522,6 +528,166 @@ def main():
                 save(args.out)
             del wg, wu, sg, su
 
+    # ---- 4a. fsmoke: each one-launch mode against the reference (own process first: a fault or a hang
+    # must not take the timed sections with it); modes that pass are appended to $OUT/fsmoke_modes --------
+    if "fsmoke" in sections:
+        big = not dry
+        cases = ([(4096, 4096, 1, 1, False, None), (4096, 14336, 13, 2, False, 2), (2048, 7168, 64, 1, False, None),
+                  (4096, 4096, 8, 1, True, None)]
+                 if big else [(512, 384, 1, 1, False, None), (256, 256, 13, 2, False, 2), (512, 256, 5, 1, True, None)])
+        for mode in os.environ.get("FSMOKE_MODES", "direct,sem").split(","):
+            if interp and mode == "sem":
+                continue
+            ok_bf16 = True
+            for d, f, T, M, fp8, L in cases:
+                row = {"mode": mode, "D": d, "F": f, "T": T, "mats": M, "dtype": "fp8-block" if fp8 else "bf16",
+                       "layers": L}
+                try:
+                    x = rnd((T, d), jnp.bfloat16)
+                    wms = [make_weights(L or 1, d, f, fp8) for _ in range(M)]
+                    ws = [w if L else w[0] for w, _ in wms]
+                    ss = [None if sc is None else (sc if L else sc[0]) for _, sc in wms]
+                    lay = None if L is None else jnp.int32(L - 1)
+                    pick = (lambda a: a) if L is None else (lambda a: None if a is None else a[L - 1])
+                    if M == 1:
+                        fn = jax.jit(lambda x, ws, ss, l: gpu.decode_matmul_gpu(
+                            x, ws[0], w_scale=ss[0], layer=l, num_sms=nsm, interpret=interp, fused=mode))
+                        r = reference.decode_matmul_reference(x, pick(ws[0]), w_scale=pick(ss[0]))
+                    else:
+                        fn = jax.jit(lambda x, ws, ss, l: gpu.gate_up_silu_gpu(
+                            x, ws[0], ws[1], gate_scale=ss[0], up_scale=ss[1], layer=l, num_sms=nsm,
+                            interpret=interp, fused=mode))
+                        r = reference.gate_up_silu_reference(x, pick(ws[0]), pick(ws[1]), gate_scale=pick(ss[0]),
+                                                             up_scale=pick(ss[1]))
+                    mode_used = gpu.fused_mode(x, [w[0] if L else w for w in ws], [None if a is None else (a[0] if L else a) for a in ss],
+                                               None, nsm, interp, mode, silu_mul=M == 2)
+                    row["mode_used"] = mode_used
+                    y1 = np.asarray(fn(x, ws, ss, lay), np.float32)
+                    y2 = np.asarray(fn(x, ws, ss, lay), np.float32)     # a second call: semaphores back at 0
+                    row["shape_ok"] = list(y1.shape) == [T, f]
+                    row["relerr_vs_reference"] = relerr(y1, r)
+                    row["calls_equal"] = bool(np.array_equal(y1, y2))
+                    row["nan"] = int(np.isnan(y1).sum())
+                    good = (row["shape_ok"] and row["relerr_vs_reference"] < 1e-2 and row["calls_equal"]
+                            and mode_used == mode)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:400]
+                    good = False
+                row["ok"] = good
+                if not fp8:
+                    ok_bf16 = ok_bf16 and good
+                RESULTS["fsmoke"].append(row)
+                log(json.dumps(row))
+                save(args.out)
+            if ok_bf16 and args.out:
+                with open(os.path.join(args.out, "fsmoke_modes"), "a") as fh:
+                    fh.write(f",{mode}")
+
+    # ---- 4b. per-call cost: the one-launch kernels (gpu_fused.py) vs the partials + epilogue path --
+    if "percall" in sections and not over_budget("percall"):
+        pc_shapes = ([("llama8b.o", 4096, 4096, 1), ("llama8b.qkv", 4096, 6144, 1), ("dsv3.expert_up", 7168, 2048, 1),
+                      ("dsv3.expert_down", 2048, 7168, 1), ("llama8b.gate_up_pair", 4096, 14336, 2),
+                      ("llama8b.down", 14336, 4096, 1)]
+                     if not dry else [("tiny", 512, 384, 1), ("tiny.pair", 256, 256, 2)])
+        pc_ts = tuple(int(v) for v in os.environ.get("PERCALL_TS", "1,8,32,64").split(",")) if not dry else (1, 13)
+        modes = os.environ.get("PERCALL_MODES", "old,direct,sem").split(",")
+        if interp:
+            modes = [m for m in modes if m != "sem"]          # interpret mode has no global semaphores
+        for fp8 in dtypes:
+            for name, d, f, M in pc_shapes:
+                if over_budget(f"percall {name}"):
+                    break
+                if os.environ.get("PERCALL_SHAPES") and name not in os.environ["PERCALL_SHAPES"].split(","):
+                    continue
+                itemsize = 1 if fp8 else 2
+                bytes_layer = M * d * f * itemsize
+                L = layers_for(bytes_layer)
+                wms = [make_weights(L, d, f, fp8) for _ in range(M)]
+                w_, s_ = [a for a, _ in wms], [b for _, b in wms]
+                sep = [[jnp.array(w_[m][l], copy=True) for l in range(L)] for m in range(M)]
+                sep_s = [[None if s_[m] is None else s_[m][l] for l in range(L)] for m in range(M)]
+
+                def kern_fn(mode, M=M, L=L):
+                    fz = None if mode == "old" else mode
+                    if mode == "dispatch":        # the library entry point with its defaults (what the model calls)
+                        from pallas_kernels.matmul import decode_matmul as dm, gate_up_silu as gus
+                        if M == 1:
+                            one = jax.jit(lambda x, w, s, l: dm(x, w, w_scale=s, layer=l, impl="gpu"))
+                            return jax.jit(lambda x, ws, ss: jnp.stack(
+                                [one(x, ws[0], ss[0], jnp.int32(l)) for l in range(L)]))
+                        one = jax.jit(lambda x, wg, wu, sg, su, l: gus(x, wg, wu, gate_scale=sg, up_scale=su, layer=l,
+                                                                      impl="gpu"))
+                        return jax.jit(lambda x, ws, ss: jnp.stack(
+                            [one(x, ws[0], ws[1], ss[0], ss[1], jnp.int32(l)) for l in range(L)]))
+                    if M == 1:
+                        one = jax.jit(lambda x, w, s, l: gpu.decode_matmul_gpu(
+                            x, w, w_scale=s, layer=l, num_sms=nsm, interpret=interp, fused=fz))
+                        return jax.jit(lambda x, ws, ss: jnp.stack([one(x, ws[0], ss[0], jnp.int32(l)) for l in range(L)]))
+                    one = jax.jit(lambda x, wg, wu, sg, su, l: gpu.gate_up_silu_gpu(
+                        x, wg, wu, gate_scale=sg, up_scale=su, layer=l, num_sms=nsm, interpret=interp, fused=fz))
+                    return jax.jit(lambda x, ws, ss: jnp.stack(
+                        [one(x, ws[0], ws[1], ss[0], ss[1], jnp.int32(l)) for l in range(L)]))
+
+                def xla_fn(M=M, L=L):
+                    def dot(x, w, s):
+                        if fp8:
+                            return tpu.decode_matmul_xla(x, w, w_scale=s).astype(jnp.float32)
+                        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+                    if M == 1:
+                        return jax.jit(lambda x, ws, ss: jnp.stack(
+                            [dot(x, ws[0][l], ss[0][l]).astype(x.dtype) for l in range(L)]))
+                    return jax.jit(lambda x, ws, ss: jnp.stack(
+                        [(jax.nn.silu(dot(x, ws[0][l], ss[0][l])) * dot(x, ws[1][l], ss[1][l])).astype(x.dtype)
+                         for l in range(L)]))
+                xs = {T: rnd((T, d), jnp.bfloat16) for T in pc_ts}
+                xf = xla_fn()
+                jobs, keys = [], []
+                for T in pc_ts:
+                    for mode in modes:
+                        jobs.append((kern_fn(mode), (xs[T], w_, s_)))
+                        keys.append((T, mode))
+                    for opt, nm in ((TRITON, "xla_triton"), (NO_TRITON, "xla_cublas")):
+                        jobs.append((xf, (xs[T], sep, sep_s), None if dry else opt))
+                        keys.append((T, nm))
+                comp = dict(zip(keys, precompile(jobs)))
+                for T in pc_ts:
+                    x = xs[T]
+                    row = {"shape": name, "D": d, "F": f, "mats": M, "dtype": "fp8-block" if fp8 else "bf16",
+                           "T": T, "L": L, "bytes_per_layer": bytes_layer}
+                    pick = [a[L - 1] if a is not None else None for a in s_]
+                    if M == 1:
+                        ref = reference.decode_matmul_reference(x, w_[0][L - 1], w_scale=pick[0])
+                    else:
+                        ref = reference.gate_up_silu_reference(x, w_[0][L - 1], w_[1][L - 1],
+                                                               gate_scale=pick[0], up_scale=pick[1])
+                    for mode in modes + ["xla_triton", "xla_cublas"]:
+                        ck = comp[(T, mode)]
+                        try:
+                            if isinstance(ck, Exception):
+                                raise ck
+                            args_ = (x, sep, sep_s) if mode.startswith("xla") else (x, w_, s_)
+                            t, y = timeit(ck, *args_)
+                            row[f"{mode}_us"] = t / L * 1e6
+                            row[f"{mode}_TBps"] = bytes_layer * L / t / 1e12
+                            row[f"{mode}_frac_ceiling"] = row[f"{mode}_TBps"] / ceil_tb
+                            row[f"{mode}_relerr_vs_reference"] = relerr(y[L - 1], ref)
+                            if mode in ("direct", "sem"):
+                                from pallas_kernels.matmul import gpu_fused
+                                fz = gpu_fused.Fused(mode, T, "bfloat16", M == 2)
+                                c, plan = gpu_fused.plan_for(x, [a[0] for a in w_],
+                                                             [None if a is None else a[0] for a in s_], None, nsm, fz)
+                                row[f"{mode}_plan"] = (None if c is None else
+                                                       [c.tile_d, c.tile_f, plan.stages, plan.n_ctas, plan.n_per,
+                                                        plan.n_slots])
+                        except Exception as e:  # noqa: BLE001
+                            row[f"{mode}_error"] = repr(e)[:400]
+                    xla_best = max(row.get("xla_triton_TBps", 0), row.get("xla_cublas_TBps", 0))
+                    row["xla_best_TBps"] = xla_best
+                    RESULTS["percall"].append(row)
+                    log(json.dumps(row))
+                    save(args.out)
+                del w_, s_, sep, sep_s, wms
+
     # ---- 5. tile configurations -------------------------------------------------------------
     if "tune" in sections and not over_budget("tune"):
         tune_shapes = [("llama8b.qkv", 4096, 6144), ("llama8b.gate_up", 4096, 28672)] if not dry else [("tiny", 256, 512)]
@@ -603,6 +769,17 @@ def print_tables():
         print(f"{r['shape']:18s} {r['dtype']:9s} T={r['T']:3d} {r['variant']:18s} {r.get('TBps', float('nan')):5.2f} "
               f"{r.get('frac_ceiling', float('nan')):6.1%} {r.get('relerr_vs_reference', float('nan')):.1e} "
               f"plan={r.get('plan')} {r.get('skip', '')}{r.get('error', '')[:160]}")
+    print("\n== per call (us per layer, TB/s, % of ceiling, rel. error vs reference)")
+    for r in R["percall"]:
+        cells = []
+        for m in ("old", "direct", "sem", "dispatch", "xla_triton", "xla_cublas"):
+            if f"{m}_us" in r:
+                cells.append(f"{m} {r[m + '_us']:6.1f}us {r[m + '_TBps']:4.2f} {r[m + '_frac_ceiling']:5.1%} "
+                             f"{r[m + '_relerr_vs_reference']:.0e}")
+            elif f"{m}_error" in r:
+                cells.append(f"{m} ERR {r[m + '_error'][:80]}")
+        print(f"{r['shape']:20s} {r['dtype']:9s} T={r['T']:3d} | " + " | ".join(cells),
+              f"| plans direct={r.get('direct_plan')} sem={r.get('sem_plan')}")
     print("\n== tune (TB/s)")
     for r in R["tune"]:
         print(r.get("shape"), r.get("T"), r.get("dtype"), r.get("plan"), r.get("TBps"), r.get("relerr_vs_reference"),

@@ -128,7 +128,7 @@ def test_kernel_matches_reference(t, d, f, kind, cfg, nsm):
     x, w, s = make_case(rng, t, d, f, kind)
     c, plan = gpu.plan_for(x, [w], [s], cfg, nsm)
     assert c is not None, plan
-    y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=cfg, num_sms=nsm, interpret=True)
+    y = gpu.decode_matmul_gpu(x, w, w_scale=s, cfg=cfg, num_sms=nsm, interpret=True, fused=None)
     assert y.shape == (t, f) and y.dtype == jnp.bfloat16
     # fp8_via="bf16" folds block scales into bf16 weights: ~2^-9 relative per weight; "f16" (the
     # default auto_config picks) is exact
@@ -199,7 +199,8 @@ def test_gate_up_fused_kernel(kind, layers, cfg):
     x, wg, sg = make_case(rng, 11, 256, 256, kind, layers)
     _, wu, su = make_case(rng, 11, 256, 256, kind, layers)
     layer = None if layers is None else 1
-    h = gpu.gate_up_silu_gpu(x, wg, wu, gate_scale=sg, up_scale=su, layer=layer, cfg=cfg, num_sms=3, interpret=True)
+    h = gpu.gate_up_silu_gpu(x, wg, wu, gate_scale=sg, up_scale=su, layer=layer, cfg=cfg, num_sms=3, interpret=True,
+                             fused=None)
     pick = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])
     r = reference.gate_up_silu_reference(x, pick(wg), pick(wu), gate_scale=pick(sg), up_scale=pick(su))
     folded = kind == "block" and cfg is not None and cfg.fp8_via == "bf16"
@@ -213,6 +214,86 @@ def test_gate_up_large_t_falls_back_to_two_launches():
     assert gpu.plan_for(x, [wg, wu], [None, None], None, 4)[0] is None
     h = gate_up_silu(x, wg, wu, impl="gpu")
     assert_close(h, reference.gate_up_silu_reference(x, wg, wu), seed, 8e-3)
+
+
+# ---- the one-launch kernel (gpu_fused.py): final [T, F] written in the kernel ------------------
+
+FUSED_CASES = [
+    # (T, D, F, kind, mats, layers, out_dtype, num_sms)
+    (1, 512, 384, "bf16", 1, None, jnp.bfloat16, 5),       # T < 8: x read unpadded (TMA box clipped)
+    (13, 512, 384, "bf16", 1, 3, jnp.float32, 2),          # ragged T, 3 F tiles per CTA, float32 out, stacked
+    (11, 256, 256, "bf16", 2, 2, jnp.bfloat16, 3),         # gate/up pair: silu(g) * u in the kernel
+    (5, 512, 256, "block", 1, None, jnp.bfloat16, 5),      # fp8 + 128x128 block scales (f16 path)
+    (40, 256, 384, "fp8", 1, None, jnp.bfloat16, 4),       # fp8 without scales (x carries 2^-X_SHIFT)
+]
+
+
+@pytest.mark.parametrize("t,d,f,kind,mats,layers,out_dtype,nsm", FUSED_CASES)
+def test_fused_kernel_matches_reference(t, d, f, kind, mats, layers, out_dtype, nsm):
+    rng, seed = fresh_rng()
+    cases = [make_case(rng, t, d, f, kind, layers) for _ in range(mats)]
+    x = cases[0][0]
+    ws, ss = [c[1] for c in cases], [c[2] for c in cases]
+    layer = None if layers is None else layers - 1
+    pick = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])
+    assert gpu.fused_mode(x, [pick(w) for w in ws], [pick(s) for s in ss], None, nsm, True, "direct",
+                          silu_mul=mats == 2, out_dtype=out_dtype) == "direct"
+    lay = None if layer is None else jnp.int32(layer)
+    if mats == 2:
+        y = jax.jit(lambda x, ws, ss, l: gpu.gate_up_silu_gpu(
+            x, ws[0], ws[1], gate_scale=ss[0], up_scale=ss[1], layer=l, num_sms=nsm, interpret=True,
+            fused="direct"))(x, ws, ss, lay)
+        r = reference.gate_up_silu_reference(x, pick(ws[0]), pick(ws[1]), gate_scale=pick(ss[0]), up_scale=pick(ss[1]))
+    else:
+        y = jax.jit(lambda x, ws, ss, l: gpu.decode_matmul_gpu(
+            x, ws[0], w_scale=ss[0], layer=l, num_sms=nsm, interpret=True, fused="direct",
+            out_dtype=out_dtype))(x, ws, ss, lay)
+        r = np.asarray(x.astype(jnp.float32), np.float64) @ np_dequant(pick(ws[0]), pick(ss[0]))
+    assert y.shape == (t, f) and y.dtype == jnp.dtype(out_dtype if mats == 1 else jnp.bfloat16)
+    assert_close(y, r, seed, 1e-4 if out_dtype == jnp.float32 else 8e-3)
+
+
+def test_fused_mode_choices_and_fallbacks():
+    """auto: "direct" only where it measured faster (RESULTS.md per-call table); modes the fused kernel can't
+    take fall back ("sem" -> "direct" in interpret mode, per-channel scales / n_wg=2 -> the partials kernel)."""
+    from pallas_kernels.matmul import gpu_fused
+    auto = lambda t, d, f, m=1: gpu_fused.auto_mode(t, d, f, m, 2, 132)        # noqa: E731
+    assert [auto(t, 4096, 14336, 2) for t in (1, 8, 32, 64)] == ["direct"] * 4    # gate/up pair: 112 CTAs
+    assert [auto(t, 4096, 4096) for t in (1, 8, 32, 64)] == ["direct", "direct", None, None]   # o: 64 CTAs
+    assert [auto(t, 7168, 2048) for t in (1, 8, 32, 64)] == [None] * 4           # 32 CTAs
+    assert auto(128, 4096, 14336, 2) is None and gpu_fused.auto_mode(1, 4096, 4096, 1, 1, 132) is None
+    rng, _ = fresh_rng()
+    x, w, s = make_case(rng, 3, 512, 256, "channel")
+    assert gpu.fused_mode(x, [w], [s], None, 4, True, "direct") is None          # per-channel scales
+    x, w, s = make_case(rng, 3, 512, 256, "bf16")
+    assert gpu.fused_mode(x, [w], [s], None, 4, True, "sem") == "direct"         # interpret: no semaphores
+    assert gpu.fused_mode(x, [w], [s], None, 4, False, "sem") == "sem"
+    assert gpu.fused_mode(x, [w], [s], gpu.TileConfig(128, 128, n_wg=2), 4, True, "direct") is None
+    assert gpu.fused_mode(x, [w], [s], None, 4, True, None) is None
+    with pytest.raises(ValueError, match="fused must be"):
+        gpu.fused_mode(x, [w], [s], None, 4, True, "fast")
+
+
+@pytest.mark.parametrize("t,kind,mats,layers,mode", [
+    (1, "bf16", 1, 4, "sem"), (33, "block", 2, 3, "sem"), (64, "bf16", 2, None, "sem"), (8, "fp8", 1, None, "sem"),
+    (5, "bf16", 1, 4, "direct"), (64, "block", 2, None, "direct")])
+def test_fused_lowers_for_cuda(t, kind, mats, layers, mode):
+    d, f = 1024, 2048
+    pre = () if layers is None else (layers,)
+    x = jax.ShapeDtypeStruct((t, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(pre + (d, f), jnp.bfloat16 if kind == "bf16" else FP8)
+    s = None if kind != "block" else jax.ShapeDtypeStruct(pre + (d // 128, f // 128), jnp.float32)
+    lay = None if layers is None else jax.ShapeDtypeStruct((), jnp.int32)
+    if mats == 1:
+        fn = lambda x, w, s, l: gpu.decode_matmul_gpu(x, w, w_scale=s, layer=l, num_sms=132, fused=mode)
+    else:
+        fn = lambda x, w, s, l: gpu.gate_up_silu_gpu(x, w, w, gate_scale=s, up_scale=s, layer=l, num_sms=132,
+                                                     fused=mode)
+    assert gpu.fused_mode(x, [w if layers is None else jax.ShapeDtypeStruct((d, f), w.dtype)] * mats,
+                          [None if s is None else jax.ShapeDtypeStruct((d // 128, f // 128), jnp.float32)] * mats,
+                          None, 132, False, mode, silu_mul=mats == 2) == mode
+    text = jax.jit(fn).trace(x, w, s, lay).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 # ---- lowering for cuda (no GPU needed) -------------------------------------------------------

@@ -27,6 +27,13 @@ the H200's ~4.3 (issue 9). This kernel is built only to stream:
 * Several weight matrices of one shape (the gate/up pair) are streamed in one launch: every
   pipeline step brings the same tile of each, and each has its own accumulator.
 
+* One launch instead of kernel + epilogue (gpu_fused.py): decode_matmul_gpu / gate_up_silu_gpu /
+  partial_products take `fused=` ("default" = FUSED_DEFAULT = "auto"): there the kernel itself
+  finishes each F tile and writes the final [T, F] (cast, gate/up SiLU*mul, transposed in the
+  kernel). "direct" (no split over D, whole F tiles per CTA) is taken where it measured faster
+  (gpu_fused.auto_mode); "sem" (this stream-K split, partials combined by the tile's owner CTA
+  through global semaphores) is opt-in: it measured no faster than partials + epilogue.
+
 The plan (tile sizes, runs, slots) is static Python computed from the shapes. Options
 (TileConfig): ctas_per_sm, n_wg > 1 (warp-specialized kernel in gpu_ws.py: a TMA producer
 warpgroup and n_wg compute warpgroups splitting the F tile), deq_layout="8bit" (fp8 tiles loaded
@@ -445,11 +452,19 @@ def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | Non
 
 
 def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
-                 num_sms: int | None = None, interpret: bool = False, x_padded: bool = False):
+                 num_sms: int | None = None, interpret: bool = False, x_padded: bool = False,
+                 fused: str | None = None, out_dtype=None, silu_mul: bool = False):
     """The kernel alone: (float32 partials P[M, slots, F, Tp], plan). For benchmarks and tests.
 
     x_padded: x already has Tp rows (zeros past T); then no pad op is emitted.
+    fused="direct"/"sem": instead the one-launch kernel of gpu_fused.py: (y[n_out, T, F] in out_dtype
+    (default x's), its plan); silu_mul: y = silu(x @ w0) * (x @ w1). Raises if it can't take the operands.
     """
+    if fused is not None:
+        from pallas_kernels.matmul import gpu_fused
+        y = gpu_fused.fused_products(x_TD, ws, scales, layer=layer, cfg=cfg, num_sms=num_sms,
+                                     interpret=interpret, mode=fused, out_dtype=out_dtype, silu_mul=silu_mul)
+        return y, None
     t = x_TD.shape[0]
     stacked, d, f, block_scaled = _split(ws, scales)
     if stacked != (layer is not None):
@@ -491,13 +506,56 @@ def reduce_partials(part, plan: Plan, t: int):
     return jnp.swapaxes(y, 1, 2)[:, :t, :]
 
 
+def fused_mode(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, interpret: bool,
+               fused="default", silu_mul: bool = False, out_dtype=None) -> str | None:
+    """The one-launch kernel mode (gpu_fused.py) to use for these operands, or None for the partials + XLA
+    epilogue path. fused: "default" (FUSED_DEFAULT), None/"off", "direct", "sem" or "auto". A mode the fused
+    kernel can't take (per-channel scales, n_wg > 1, a tiling that doesn't fit, "sem" in interpret mode,
+    which has no global semaphores) falls back: "sem" -> "direct" -> None."""
+    from pallas_kernels.matmul import gpu_fused
+    if fused == "default":
+        fused = FUSED_DEFAULT
+    if fused in (None, "off"):
+        return None
+    t = x_TD.shape[0]
+    d, f = ws[0].shape[-2:]
+    if fused == "auto":
+        fused = gpu_fused.auto_mode(t, d, f, len(ws), jnp.dtype(ws[0].dtype).itemsize,
+                                    num_sms if num_sms is not None else num_sms_default())
+        if fused is None:
+            return None
+    order = {"sem": ("sem", "direct"), "direct": ("direct",)}.get(fused)
+    if order is None:
+        raise ValueError(f"fused must be 'default', None, 'off', 'auto', 'direct' or 'sem', got {fused!r}")
+    out_name = jnp.dtype(out_dtype or x_TD.dtype).name
+    for mode in order:
+        if mode == "sem" and interpret:
+            continue
+        fz = gpu_fused.Fused(mode, t, out_name, silu_mul)
+        c, _ = gpu_fused.plan_for(x_TD, list(ws), list(scales), cfg, num_sms, fz)
+        if c is not None:
+            return mode
+    return None
+
+
+# The one-launch kernel (gpu_fused.py) for decode_matmul_gpu / gate_up_silu_gpu / partial_products when the
+# caller passes no `fused=`: "auto" = gpu_fused.auto_mode's measured per-shape choice between its "direct"
+# mode and the float32 partials + XLA epilogue kernel above (None would always take the latter).
+FUSED_DEFAULT: str | None = "auto"
+
+
 def partial_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
-                     num_sms: int | None = None, interpret: bool = False):
+                     num_sms: int | None = None, interpret: bool = False, fused="default"):
     """Runs the kernel: float32 y[M, T, F] = x @ w_m (block scales applied; per-channel ones not).
 
     ws: M weights [D, F] of one dtype, or M stacked weights [L, D, F] with `layer` an int32
-    scalar (may be traced): then layer `layer` is read in place.
+    scalar (may be traced): then layer `layer` is read in place. fused: see fused_mode (the
+    one-launch kernel then writes float32 y itself).
     """
+    mode = fused_mode(x_TD, ws, scales, cfg, num_sms, interpret, fused, out_dtype=jnp.float32)
+    if mode is not None:
+        return raw_partials(x_TD, ws, scales, layer=layer, cfg=cfg, num_sms=num_sms, interpret=interpret,
+                            fused=mode, out_dtype=jnp.float32)[0]
     part, plan = raw_partials(x_TD, ws, scales, layer=layer, cfg=cfg, num_sms=num_sms, interpret=interpret)
     return reduce_partials(part, plan, x_TD.shape[0])
 
@@ -515,16 +573,27 @@ def _channel_scale(y_TF, scale, layer):
 
 
 def decode_matmul_gpu(x_TD, w_DF, *, w_scale=None, layer=None, cfg: TileConfig | None = None,
-                      num_sms: int | None = None, interpret: bool = False):
+                      num_sms: int | None = None, interpret: bool = False, fused="default", out_dtype=None):
+    """y[T, F] in out_dtype (default x's). With a fused mode (fused_mode) one launch writes y itself."""
+    out_dtype = jnp.dtype(out_dtype or x_TD.dtype)
+    mode = fused_mode(x_TD, [w_DF], [w_scale], cfg, num_sms, interpret, fused, out_dtype=out_dtype)
+    if mode is not None:
+        return raw_partials(x_TD, [w_DF], [w_scale], layer=layer, cfg=cfg, num_sms=num_sms, interpret=interpret,
+                            fused=mode, out_dtype=out_dtype)[0][0]
     y = partial_products(x_TD, [w_DF], [w_scale], layer=layer, cfg=cfg, num_sms=num_sms,
-                         interpret=interpret)[0]
-    return _channel_scale(y, w_scale, layer).astype(x_TD.dtype)
+                         interpret=interpret, fused=None)[0]
+    return _channel_scale(y, w_scale, layer).astype(out_dtype)
 
 
 def gate_up_silu_gpu(x_TD, w_gate_DF, w_up_DF, *, gate_scale=None, up_scale=None, layer=None,
-                     cfg: TileConfig | None = None, num_sms: int | None = None, interpret: bool = False):
-    y = partial_products(x_TD, [w_gate_DF, w_up_DF], [gate_scale, up_scale], layer=layer, cfg=cfg,
-                         num_sms=num_sms, interpret=interpret)
+                     cfg: TileConfig | None = None, num_sms: int | None = None, interpret: bool = False,
+                     fused="default"):
+    ws, ss = [w_gate_DF, w_up_DF], [gate_scale, up_scale]
+    mode = fused_mode(x_TD, ws, ss, cfg, num_sms, interpret, fused, silu_mul=True)
+    if mode is not None:
+        return raw_partials(x_TD, ws, ss, layer=layer, cfg=cfg, num_sms=num_sms, interpret=interpret,
+                            fused=mode, silu_mul=True)[0][0]
+    y = partial_products(x_TD, ws, ss, layer=layer, cfg=cfg, num_sms=num_sms, interpret=interpret, fused=None)
     g = _channel_scale(y[0], gate_scale, layer)
     u = _channel_scale(y[1], up_scale, layer)
     return (jax.nn.silu(g) * u).astype(x_TD.dtype)

@@ -188,7 +188,11 @@ def jax_worker(args) -> dict:
     emit()
 
     # ---- model, engine, KV --------------------------------------------------------------------------------
-    spec = ModelSpec.from_hf_config(os.path.join(CONFIG_DIR, args.config + ".json"))
+    with open(os.path.join(CONFIG_DIR, args.config + ".json")) as f:
+        hf_config = json.load(f)
+    if args.layers:                      # probes (e.g. of XLA flags) on fewer layers: shorter compiles, same shapes
+        hf_config["num_hidden_layers"] = args.layers
+    spec = ModelSpec.from_hf_config(hf_config)
     G = args.page_size
     shapes = _parse_shapes(args.shapes)
     for b, c in shapes:
@@ -284,8 +288,13 @@ def jax_worker(args) -> dict:
         arrays = jax.device_put({k: val for k, val in dataclasses.asdict(inp).items() if k != "decode_only"})
         kw = dict(step_kw, attn_impl=r.attn_impl, matmul_impl=r.matmul_impl)
 
+        exe = r._compiled.get(r._key(inp, False))      # precompiled bucket (ModelRunner.precompile), if any
+
         def dstep():
-            o, r.caches = r._fn(r.params, r.caches, arrays, **kw)
+            if exe is not None:
+                o, r.caches = exe(r.params, r.caches, arrays)
+            else:
+                o, r.caches = r._fn(r.params, r.caches, arrays, **kw)
             return o
         jax.block_until_ready(dstep())
         ts = []
@@ -311,6 +320,12 @@ def jax_worker(args) -> dict:
             v[f"{k}_tok_s"] = B / (v[f"{k}_ms"] * 1e-3)
             v[f"{k}_TBps"] = (wbytes + kvbytes) / (v[f"{k}_ms"] * 1e-3) / 1e12
         v["tokens"] = [int(x) for x in toks[:8]]
+        if args.dump_hlo and not os.path.exists(args.dump_hlo):      # optimized HLO of the first shape's step
+            try:
+                with open(args.dump_hlo, "w") as f:
+                    f.write(r._fn.lower(r.params, r.caches, arrays, **kw).compile().as_text())
+            except Exception as e:  # noqa: BLE001
+                v["dump_hlo_error"] = repr(e)[:500]
         if args.profile and (B, ctx) in _parse_shapes(args.profile):
             try:
                 v["profile"] = profile_steps(dstep, args.profile_steps)
@@ -325,6 +340,17 @@ def jax_worker(args) -> dict:
                         attn_impl=args.attn_impl, matmul_impl=impl)
         runner.caches = None
         return o
+
+    if args.precompile_workers > 0:      # all grid buckets compiled up front, several at once (start-up figure)
+        try:
+            pre = [make_inputs(B, ctx) for B, ctx in shapes]
+            wall = runner.precompile(pre, workers=args.precompile_workers)
+            res["precompile"] = {"programs": len(runner._compiled), "workers": args.precompile_workers,
+                                 "wall_s": round(wall, 2), "compile_s": dict(compile_s)}
+        except Exception as e:  # noqa: BLE001
+            res["precompile"] = {"error": repr(e)[:1000]}
+        print(f"[jax] precompile: {res['precompile']}", file=sys.stderr, flush=True)
+        emit()
 
     est = None   # seconds a new variant costs (compile + timing), from the last one
 
@@ -464,7 +490,10 @@ def hf_worker(args) -> dict:
     res["meta"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                    "device": torch.cuda.get_device_name(0)}
     with open(os.path.join(CONFIG_DIR, args.config + ".json")) as f:
-        cfg = LlamaConfig.from_dict(json.load(f))
+        hf_config = json.load(f)
+    if args.layers:
+        hf_config["num_hidden_layers"] = args.layers
+    cfg = LlamaConfig.from_dict(hf_config)
     cfg.use_cache = True
     t0 = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
@@ -649,6 +678,10 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="llama-3.1-8b", help="name of a JSON file in benchmarks/configs/")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=0, help="override the config's layer count (0 = as configured)")
+    ap.add_argument("--dump-hlo", default="", help="write the first shape's optimized decode-step HLO here")
+    ap.add_argument("--precompile-workers", type=int, default=0,
+                    help="compile every grid bucket up front with this many concurrent XLA compiles (0 = lazily)")
     ap.add_argument("--shapes", default="32:1024,64:8192,1:1024,8:1024,64:1024,1:8192,8:8192,32:8192",
                     help="BATCH:CONTEXT list, in priority order (later ones are skipped when time runs out)")
     ap.add_argument("--e2e", default="32:1024", help="BATCH:CONTEXT of the Engine.step() run ('' = none)")
@@ -687,7 +720,8 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": _git_commit(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup,
+           "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", "")}
     outs = [args.out] if args.out else []
     if os.environ.get("OUT"):
         outs.append(os.path.join(os.environ["OUT"], "bench_engine_decode.json"))
@@ -707,14 +741,16 @@ def main(argv=None) -> int:
         res["torch_copy"] = r
         save()
     base = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--dtype", args.dtype,
-            "--page-size", str(args.page_size), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            "--page-size", str(args.page_size), "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--layers", str(args.layers)]
     run_hf = has_torch and not args.no_hf and args.hf_shapes
     jax_budget = args.time_budget - (time.time() - t_start) - (args.hf_reserve if run_hf else 0)
     cmd = base + ["--worker", "jax", "--deadline-s", str(jax_budget), "--shapes", args.shapes, "--e2e", args.e2e,
                   "--e2e-new-tokens", str(args.e2e_new_tokens), "--ref-shape", args.ref_shape,
                   "--attn-impl", args.attn_impl, "--matmul-impl", args.matmul_impl,
                   "--compare-matmul", args.compare_matmul, "--profile", args.profile,
-                  "--profile-steps", str(args.profile_steps)]
+                  "--profile-steps", str(args.profile_steps), "--dump-hlo", args.dump_hlo,
+                  "--precompile-workers", str(args.precompile_workers)]
     res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
     save()
     if run_hf:

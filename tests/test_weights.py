@@ -57,7 +57,7 @@ def _export_hf_dir(path, spec, params, tok, config_overrides=None):
     for i in range(spec.n_layers):
         w = g["w_qkv"][i].T
         for name, arr in (("q", w[:N * H]), ("k", w[N * H:(N + K) * H]), ("v", w[(N + K) * H:]),
-                          ("o", g["w_o"][i].T), ("gate", g["w_gate"][i].T), ("up", g["w_up"][i].T),
+                          ("o", g["w_o"][i].T), ("gate", g["w_gate_up"][i][:, 0].T), ("up", g["w_gate_up"][i][:, 1].T),
                           ("down", g["w_down"][i].T), ("attn_norm", g["attn_norm"][i]), ("mlp_norm", g["mlp_norm"][i])):
             t[HF_NAMES[name].format(i=i)] = np.ascontiguousarray(arr)
     half = len(t) // 2
@@ -115,6 +115,8 @@ def test_orbax_roundtrip_onto_a_different_mesh(tmp_path, smollm_f32, hf_ref):
     spec, params, _ = smollm_f32
 
     def sharding_for(a):
+        if a.ndim == 4 and a.shape[-1] % 4 == 0:         # [L, D, 2, F] gate/up: F split, gate and up together
+            return NamedSharding(mesh, P(None, None, None, "tp"))
         if a.ndim == 3 and a.shape[-1] % 4 == 0:
             return NamedSharding(mesh, P(None, None, "tp"))
         if a.ndim == 2 and a.shape[0] % 2 == 0:
@@ -123,9 +125,9 @@ def test_orbax_roundtrip_onto_a_different_mesh(tmp_path, smollm_f32, hf_ref):
     shardings = jax.tree.map(sharding_for, params)
     spec2, params2, tok2 = load_model(dst, shardings=shardings)
     assert spec2 == spec
-    w = params2["groups"]["gqa_dense"]["w_gate"]
-    assert w.sharding == shardings["groups"]["gqa_dense"]["w_gate"]
-    assert {s.data.shape for s in w.addressable_shards} == {(30, 576, 1536 // 4)}
+    w = params2["groups"]["gqa_dense"]["w_gate_up"]
+    assert w.sharding == shardings["groups"]["gqa_dense"]["w_gate_up"]
+    assert {s.data.shape for s in w.addressable_shards} == {(30, 576, 2, 1536 // 4)}
     _assert_matches_hf(spec2, jax.device_put(params2, NamedSharding(mesh, P())), hf_ref)
     with pytest.raises(WeightLoadError, match="not a tbjax checkpoint"):
         checkpoint.restore(str(tmp_path))

@@ -101,10 +101,11 @@ class ModelRunner:
         self._fn = jax.jit(_step, static_argnames=("spec", "decode_only", "want_logprobs", "attn_impl",
                                                           "matmul_impl"),
                            donate_argnums=(1,))
+        self._compiled: dict = {}          # bucket key -> executable compiled ahead of use (precompile)
 
     @property
     def num_compiled(self) -> int:
-        return self._fn._cache_size()
+        return self._fn._cache_size() + len(self._compiled)
 
     def build_inputs(self, entries, sampling) -> StepInputs:
         """entries: list of (token_ids, start, block_table); sampling: list of (temp, top_k, top_p, min_p, seed)."""
@@ -147,9 +148,43 @@ class ModelRunner:
         return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed, spos,
                           decode_only)
 
+    @staticmethod
+    def _arrays(inp: StepInputs) -> dict[str, np.ndarray]:
+        return {k: v for k, v in dataclasses.asdict(inp).items() if k != "decode_only"}
+
+    @staticmethod
+    def _key(inp: StepInputs, want_logprobs: bool):
+        return inp.decode_only, want_logprobs, tuple((k, v.shape) for k, v in ModelRunner._arrays(inp).items())
+
+    def _static(self, inp: StepInputs, want_logprobs: bool) -> dict:
+        return dict(spec=self.spec, decode_only=inp.decode_only, want_logprobs=want_logprobs,
+                    attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+
+    def precompile(self, inputs: list[StepInputs], want_logprobs: bool = False, workers: int = 8) -> float:
+        """Compile the step for each input's bucket ahead of use, several at once; returns the wall seconds.
+
+        Lowering (tracing) runs here one bucket at a time; the XLA compiles run in a thread pool (they release the
+        GIL; on the H200 most of a decode step's compile is Triton GEMM codegen). Later `run` calls of the same
+        bucket use these executables; a bucket compiled twice is compiled once."""
+        import concurrent.futures as cf
+        import time
+        t = time.perf_counter()
+        todo = {}
+        for inp in inputs:
+            key = self._key(inp, want_logprobs)
+            if key not in self._compiled and key not in todo:
+                todo[key] = self._fn.lower(self.params, self.caches, self._arrays(inp),
+                                           **self._static(inp, want_logprobs))
+        with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+            for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
+                self._compiled[key] = exe
+        return time.perf_counter() - t
+
     def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
-        arrays = {k: v for k, v in dataclasses.asdict(inp).items() if k != "decode_only"}
-        out, self.caches = self._fn(self.params, self.caches, arrays, spec=self.spec, decode_only=inp.decode_only,
-                                    want_logprobs=want_logprobs, attn_impl=self.attn_impl,
-                                    matmul_impl=self.matmul_impl)
+        arrays = self._arrays(inp)
+        exe = self._compiled.get(self._key(inp, want_logprobs))
+        if exe is not None:
+            out, self.caches = exe(self.params, self.caches, arrays)
+        else:
+            out, self.caches = self._fn(self.params, self.caches, arrays, **self._static(inp, want_logprobs))
         return jax.device_get(out)

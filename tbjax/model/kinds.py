@@ -59,8 +59,9 @@ def gqa_out(spec: ModelSpec, p, o_TNH):
 
 # ---- dense SwiGLU FFN --------------------------------------------------------------------------------------
 def dense_shapes(s: ModelSpec):
-    return {"mlp_norm": (s.d_model,), "w_gate": (s.d_model, s.ffn_dim), "w_up": (s.d_model, s.ffn_dim),
-            "w_down": (s.ffn_dim, s.d_model)}
+    """gate and up are one [D, 2, F] matrix (gate = [:, 0], up = [:, 1]): one GEMM / one kernel launch reads both,
+    and splitting F over devices keeps each shard's gate and up columns together."""
+    return {"mlp_norm": (s.d_model,), "w_gate_up": (s.d_model, 2, s.ffn_dim), "w_down": (s.ffn_dim, s.d_model)}
 
 
 def dense_ffn(spec: ModelSpec, p, x_TD):

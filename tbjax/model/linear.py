@@ -8,7 +8,7 @@ multiplies: it asks `linear(p, "w_qkv", x)` and `p` decides.
 `p` is either
   * a plain dict of per-layer arrays (whole-prompt forwards, mesh forwards, prefill steps): XLA dots, or
   * a `LayerParams` view over the group's stacks + a layer index + a kernel impl (decode steps): the kernel
-    dispatcher (`decode_matmul` / `gate_up_silu`) for the shapes the kernel takes, XLA dots for the others.
+    dispatcher (`decode_matmul`) for the shapes the kernel takes, XLA dots for the others.
 Both accumulate in float32; results are cast to the activations' dtype unless `out_dtype` says otherwise.
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.matmul import decode_matmul, gate_up_silu, kernel_unsupported_reason
+from pallas_kernels.matmul import decode_matmul, kernel_unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,13 @@ def layer_params(stacks: Mapping, layer: int, kernel_impl: str | None):
 
 def _kernel_ok(p, x_TD, *names) -> bool:
     """Whether these projections go to the kernel: a LayerParams view, bf16 operands, shapes the kernel takes.
-    Anything else uses XLA dots (never the slow float32 reference the kernel dispatcher would fall back to)."""
+    Anything else uses XLA dots (never the slow float32 reference the kernel dispatcher would fall back to).
+    Stacks of more than 3 dims ([L, D, 2, F] gate/up) are seen as [L, D, prod(rest)]."""
     if not (isinstance(p, LayerParams) and x_TD.shape[0] <= KERNEL_MAX_T and x_TD.dtype == jnp.bfloat16):
         return False
-    return kernel_takes(x_TD, *[p.stacks[n] for n in names])
+    ws = [p.stacks[n] for n in names]
+    return kernel_takes(x_TD, *[jax.ShapeDtypeStruct((*w.shape[:2], int(np.prod(w.shape[2:]))), w.dtype)
+                                if w.ndim > 3 else w for w in ws])
 
 
 def kernel_takes(x_TD, *ws) -> bool:
@@ -83,14 +87,17 @@ def linear(p, name: str, x_TD, out_dtype=None):
     return jnp.dot(x_TD, p[name], preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def swiglu(p, x_TD, gate="w_gate", up="w_up", down="w_down"):
-    """silu(x @ gate) * (x @ up) @ down; on the kernel path gate and up stream through one launch."""
-    if _kernel_ok(p, x_TD, gate, up):
-        h = gate_up_silu(x_TD, p.stacks[gate], p.stacks[up], layer=p.layer, impl=p.impl)
+def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down"):
+    """silu(x @ gate) * (x @ up) @ down, gate and up read as one [D, 2F] matrix (one GEMM / one kernel launch)."""
+    if _kernel_ok(p, x_TD, gate_up):
+        w_LD2F = p.stacks[gate_up]
+        L, D, _, F = w_LD2F.shape
+        gu = decode_matmul(x_TD, w_LD2F.reshape(L, D, 2 * F), layer=p.layer, impl=p.impl, out_dtype=jnp.float32)
     else:
-        g = jnp.dot(x_TD, p[gate], preferred_element_type=jnp.float32)
-        u = jnp.dot(x_TD, p[up], preferred_element_type=jnp.float32)
-        h = (jax.nn.silu(g) * u).astype(x_TD.dtype)
+        w_D2F = p[gate_up]
+        D, _, F = w_D2F.shape
+        gu = jnp.dot(x_TD, w_D2F.reshape(D, 2 * F), preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gu[:, :F]) * gu[:, F:]).astype(x_TD.dtype)
     return linear(p, down, h)
 
 

@@ -1,7 +1,8 @@
 """Turn per-layer checkpoint tensors into tbjax's stacked parameter tree, checking every shape against the spec.
 
 Loaders (GGUF, safetensors) only know how to fetch one named tensor in Hugging Face orientation ([out, in]);
-this module owns the mapping to the tree layout (stacked per layer group, [in, out] matrices, fused QKV).
+this module owns the mapping to the tree layout (stacked per layer group, [in, out] matrices, fused QKV, gate and
+up as one [in, 2, out] matrix).
 """
 from __future__ import annotations
 
@@ -57,10 +58,8 @@ def _layer_param(spec: ModelSpec, get: Getter, name: str, i: int, where: str) ->
                                _need(get, "v_bias", i, (K * H,), where)])
     if name == "w_o":
         return _need(get, "o", i, (D, N * H), where).T
-    if name == "w_gate":
-        return _need(get, "gate", i, (F, D), where).T
-    if name == "w_up":
-        return _need(get, "up", i, (F, D), where).T
+    if name == "w_gate_up":
+        return np.stack([_need(get, "gate", i, (F, D), where).T, _need(get, "up", i, (F, D), where).T], axis=1)
     if name == "w_down":
         return _need(get, "down", i, (D, F), where).T
     raise WeightLoadError(f"{where}: no loader mapping for parameter {name!r} ({spec.arch})")

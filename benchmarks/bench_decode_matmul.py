@@ -19,8 +19,10 @@ What it measures, all in one process and one run so ratios are comparable:
               modes that pass are appended to $OUT/fsmoke_modes (run it in its own process first).
   percall:    per-call time (us per layer) of the small and big shapes at T = 1, 8, 32, 64 (PERCALL_TS):
               "old" = kernel + float32 partials + XLA epilogue, "direct"/"sem" = one-launch kernels
-              (bf16 out), "dispatch" = the library entry point with its defaults, XLA dots (triton on /
-              cuBLAS); PERCALL_MODES / PERCALL_SHAPES pick; each checked against the reference.
+              (bf16 out), "direct+pdl" = direct with programmatic dependent launch, "dispatch" = the
+              library entry point with its defaults, XLA dots (triton on / cuBLAS); PERCALL_MODES /
+              PERCALL_SHAPES (+ "floor", a 1024x1024 launch-floor probe) pick; each checked against
+              the reference.
   smoke:      fp8 unscaled / per-channel / block-scaled and bf16, each against the reference
               (SMOKE_KINDS picks; exit code 3 if one fails). tune: a few tile configurations.
 Each timed call runs L layers (L chosen so a call streams >= ~1.5 GB, far above the 50 MB L2);
@@ -587,7 +589,7 @@ def main():
     if "percall" in sections and not over_budget("percall"):
         pc_shapes = ([("llama8b.o", 4096, 4096, 1), ("llama8b.qkv", 4096, 6144, 1), ("dsv3.expert_up", 7168, 2048, 1),
                       ("dsv3.expert_down", 2048, 7168, 1), ("llama8b.gate_up_pair", 4096, 14336, 2),
-                      ("llama8b.down", 14336, 4096, 1)]
+                      ("llama8b.down", 14336, 4096, 1), ("floor", 1024, 1024, 1)]   # floor: only if PERCALL_SHAPES names it
                      if not dry else [("tiny", 512, 384, 1), ("tiny.pair", 256, 256, 2)])
         pc_ts = tuple(int(v) for v in os.environ.get("PERCALL_TS", "1,8,32,64").split(",")) if not dry else (1, 13)
         modes = os.environ.get("PERCALL_MODES", "old,direct,sem").split(",")
@@ -597,7 +599,8 @@ def main():
             for name, d, f, M in pc_shapes:
                 if over_budget(f"percall {name}"):
                     break
-                if os.environ.get("PERCALL_SHAPES") and name not in os.environ["PERCALL_SHAPES"].split(","):
+                if (os.environ.get("PERCALL_SHAPES") and name not in os.environ["PERCALL_SHAPES"].split(",")) or (
+                        name == "floor" and "floor" not in os.environ.get("PERCALL_SHAPES", "")):
                     continue
                 itemsize = 1 if fp8 else 2
                 bytes_layer = M * d * f * itemsize
@@ -671,9 +674,9 @@ def main():
                             row[f"{mode}_TBps"] = bytes_layer * L / t / 1e12
                             row[f"{mode}_frac_ceiling"] = row[f"{mode}_TBps"] / ceil_tb
                             row[f"{mode}_relerr_vs_reference"] = relerr(y[L - 1], ref)
-                            if mode in ("direct", "sem"):
+                            if mode in ("direct", "sem", "direct+pdl"):
                                 from pallas_kernels.matmul import gpu_fused
-                                fz = gpu_fused.Fused(mode, T, "bfloat16", M == 2)
+                                fz = gpu_fused.Fused(mode.partition("+")[0], T, "bfloat16", M == 2)
                                 c, plan = gpu_fused.plan_for(x, [a[0] for a in w_],
                                                              [None if a is None else a[0] for a in s_], None, nsm, fz)
                                 row[f"{mode}_plan"] = (None if c is None else
@@ -772,7 +775,7 @@ def print_tables():
     print("\n== per call (us per layer, TB/s, % of ceiling, rel. error vs reference)")
     for r in R["percall"]:
         cells = []
-        for m in ("old", "direct", "sem", "dispatch", "xla_triton", "xla_cublas"):
+        for m in ("old", "direct", "direct+pdl", "sem", "dispatch", "xla_triton", "xla_cublas"):
             if f"{m}_us" in r:
                 cells.append(f"{m} {r[m + '_us']:6.1f}us {r[m + '_TBps']:4.2f} {r[m + '_frac_ceiling']:5.1%} "
                              f"{r[m + '_relerr_vs_reference']:.0e}")

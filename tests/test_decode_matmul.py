@@ -259,10 +259,12 @@ def test_fused_mode_choices_and_fallbacks():
     from pallas_kernels.matmul import gpu_fused
     auto = lambda t, d, f, m=1: gpu_fused.auto_mode(t, d, f, m, 2, 132)        # noqa: E731
     assert [auto(t, 4096, 14336, 2) for t in (1, 8, 32, 64)] == ["direct"] * 4    # gate/up pair: 112 CTAs
-    assert [auto(t, 4096, 4096) for t in (1, 8, 32, 64)] == ["direct", "direct", None, None]   # o: 64 CTAs
+    assert [auto(t, 4096, 6144) for t in (1, 8, 32, 64)] == ["direct"] * 4        # qkv: 96 CTAs
+    assert [auto(t, 2048, 7168) for t in (1, 8, 32, 64)] == ["direct", "direct", None, None]   # short runs
+    assert [auto(t, 4096, 4096) for t in (1, 8, 32, 64)] == [None] * 4           # o: 64 CTAs, runs disagreed
     assert [auto(t, 7168, 2048) for t in (1, 8, 32, 64)] == [None] * 4           # 32 CTAs
     assert auto(128, 4096, 14336, 2) is None and gpu_fused.auto_mode(1, 4096, 4096, 1, 1, 132) is None
-    rng, _ = fresh_rng()
+    rng, seed = fresh_rng()
     x, w, s = make_case(rng, 3, 512, 256, "channel")
     assert gpu.fused_mode(x, [w], [s], None, 4, True, "direct") is None          # per-channel scales
     x, w, s = make_case(rng, 3, 512, 256, "bf16")
@@ -270,13 +272,16 @@ def test_fused_mode_choices_and_fallbacks():
     assert gpu.fused_mode(x, [w], [s], None, 4, False, "sem") == "sem"
     assert gpu.fused_mode(x, [w], [s], gpu.TileConfig(128, 128, n_wg=2), 4, True, "direct") is None
     assert gpu.fused_mode(x, [w], [s], None, 4, True, None) is None
+    assert gpu.fused_mode(x, [w], [s], None, 4, True, "direct+pdl") == "direct+pdl"   # PDL ops skipped when interpreted
+    y = gpu.decode_matmul_gpu(x, w, num_sms=4, interpret=True, fused="direct+pdl")
+    assert_close(y, reference.decode_matmul_reference(x, w), seed, 8e-3)
     with pytest.raises(ValueError, match="fused must be"):
         gpu.fused_mode(x, [w], [s], None, 4, True, "fast")
 
 
 @pytest.mark.parametrize("t,kind,mats,layers,mode", [
     (1, "bf16", 1, 4, "sem"), (33, "block", 2, 3, "sem"), (64, "bf16", 2, None, "sem"), (8, "fp8", 1, None, "sem"),
-    (5, "bf16", 1, 4, "direct"), (64, "block", 2, None, "direct")])
+    (5, "bf16", 1, 4, "direct"), (64, "block", 2, None, "direct"), (8, "bf16", 2, 3, "direct+pdl")])
 def test_fused_lowers_for_cuda(t, kind, mats, layers, mode):
     d, f = 1024, 2048
     pre = () if layers is None else (layers,)
@@ -294,6 +299,7 @@ def test_fused_lowers_for_cuda(t, kind, mats, layers, mode):
                           None, 132, False, mode, silu_mul=mats == 2) == mode
     text = jax.jit(fn).trace(x, w, s, lay).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    assert ("uses_pdl" in text) == mode.endswith("+pdl")     # Mosaic launches it with programmatic serialization
 
 
 # ---- lowering for cuda (no GPU needed) -------------------------------------------------------

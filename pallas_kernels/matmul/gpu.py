@@ -457,13 +457,15 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     """The kernel alone: (float32 partials P[M, slots, F, Tp], plan). For benchmarks and tests.
 
     x_padded: x already has Tp rows (zeros past T); then no pad op is emitted.
-    fused="direct"/"sem": instead the one-launch kernel of gpu_fused.py: (y[n_out, T, F] in out_dtype
+    fused="direct"/"direct+pdl"/"sem": instead the one-launch kernel of gpu_fused.py: (y[n_out, T, F] in out_dtype
     (default x's), its plan); silu_mul: y = silu(x @ w0) * (x @ w1). Raises if it can't take the operands.
     """
     if fused is not None:
         from pallas_kernels.matmul import gpu_fused
+        mode, _, opt = fused.partition("+")
         y = gpu_fused.fused_products(x_TD, ws, scales, layer=layer, cfg=cfg, num_sms=num_sms,
-                                     interpret=interpret, mode=fused, out_dtype=out_dtype, silu_mul=silu_mul)
+                                     interpret=interpret, mode=mode, out_dtype=out_dtype, silu_mul=silu_mul,
+                                     pdl=opt == "pdl")
         return y, None
     t = x_TD.shape[0]
     stacked, d, f, block_scaled = _split(ws, scales)
@@ -524,14 +526,15 @@ def fused_mode(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, in
                                     num_sms if num_sms is not None else num_sms_default())
         if fused is None:
             return None
-    order = {"sem": ("sem", "direct"), "direct": ("direct",)}.get(fused)
+    order = {"sem": ("sem", "direct"), "direct": ("direct",), "direct+pdl": ("direct+pdl", "direct")}.get(fused)
     if order is None:
-        raise ValueError(f"fused must be 'default', None, 'off', 'auto', 'direct' or 'sem', got {fused!r}")
+        raise ValueError(f"fused must be 'default', None, 'off', 'auto', 'direct', 'direct+pdl' or 'sem', "
+                         f"got {fused!r}")
     out_name = jnp.dtype(out_dtype or x_TD.dtype).name
     for mode in order:
         if mode == "sem" and interpret:
             continue
-        fz = gpu_fused.Fused(mode, t, out_name, silu_mul)
+        fz = gpu_fused.Fused(mode.partition("+")[0], t, out_name, silu_mul)
         c, _ = gpu_fused.plan_for(x_TD, list(ws), list(scales), cfg, num_sms, fz)
         if c is not None:
             return mode

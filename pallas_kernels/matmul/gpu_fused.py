@@ -23,6 +23,10 @@ Two ways to own an F tile (`Fused.mode`):
   for this kernel alone on the device. GPU interpret mode has no global semaphores: "sem" is
   checked by lowering for cuda on CPU and against the reference on the GPU (benchmark).
 
+Option `Fused.pdl` ("direct+pdl" in gpu.fused_mode): programmatic dependent launch, so a kernel's start
+(launch, L2 prefetch of its first weight tiles) overlaps the previous kernel's tail; measured (E1/E2) the
+per-call floor is ~5 us for Mosaic and XLA kernels alike, which is what it targets. Not measured yet.
+
 Weights: bf16, or fp8 e4m3 through gpu.py's f16 path (exact e4m3 -> f16 in SMEM, 128x128 block
 scales on per-block float32 products). Per-channel fp8 scales and the warp-specialized /
 bf16-folding fp8 variants are not taken here (gpu.py's kernel + epilogue handle them).
@@ -52,6 +56,12 @@ class Fused:
     t: int
     out_dtype: str = "bfloat16"
     silu_mul: bool = False
+    # Programmatic dependent launch (Hopper): the kernel lets the next launch start early, prefetches its first
+    # weight tiles into L2 and only then waits for the previous kernel (griddepcontrol.wait) before it reads x.
+    # Mosaic launches a kernel that uses griddepcontrol with the PDL attribute, so its prologue can overlap the
+    # previous kernel's tail. Weights written by the previous kernel stay correct: the prefetch is an L2 hint and
+    # every real load comes after the wait. Not measured on the H200 yet (default off).
+    pdl: bool = False
 
 
 def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: gpu.TileConfig,
@@ -130,8 +140,22 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
     T = fz.t
 
     def body(x_gmem, *refs):
+        c = lax.axis_index("cta")
+        coords, w_map, x_map = gpu._stream_k_maps(c, n_per, n_total, k_steps)
         if stacked:
             layer_gmem, *refs = refs
+        if fz.pdl and not interpret:
+            plgpu.griddepcontrol_launch_dependents()
+            # the layer index may come from the previous kernel: read here, it only steers the L2 hint
+            hint_ws = [r.at[layer_gmem[0]] if stacked else r for r in refs[:M]]
+            for i0 in range(min(p.stages, n_per)):          # the first pipeline steps' weight tiles -> L2
+                g0, j0, k0 = coords(i0)
+                for m in range(M):
+                    plgpu.async_prefetch(
+                        hint_ws[m].at[pl.ds(k0 * p.tile_d, p.tile_d), pl.ds(j0 * p.tile_f, p.tile_f)],
+                        predicate=g0 < n_total)
+            plgpu.griddepcontrol_wait()                      # everything below reads after the wait
+        if stacked:
             layer = layer_gmem[0]
             refs = [r.at[layer] for r in refs[:n_in]] + list(refs[n_in:])
         w_gmems = refs[:M]
@@ -145,8 +169,6 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
             rest = rest[3:]
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((p.f_tiles,)))
         deq_smems = rest[:M] if fp8 else ()
-        c = lax.axis_index("cta")
-        coords, w_map, x_map = gpu._stream_k_maps(c, n_per, n_total, k_steps)
 
         def gmem_scales(i):  # block scales of step i (clamped), read straight from GMEM
             _, j, k = coords(jnp.minimum(i, n_per - 1))
@@ -323,7 +345,7 @@ def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode) -> gpu
 
 def fused_products(x_TD, ws, scales, *, layer=None, cfg: gpu.TileConfig | None = None,
                    num_sms: int | None = None, interpret: bool = False, mode: str = "direct",
-                   out_dtype=None, silu_mul: bool = False):
+                   out_dtype=None, silu_mul: bool = False, pdl: bool = False):
     """One launch: y[n_out, T, F] in out_dtype (default x's), n_out = 1 if silu_mul (silu(x@w0) * x@w1) else M.
 
     ws: M weights [D, F] (bf16, or fp8 with None / 128x128-block scales), or stacked [L, D, F] with
@@ -333,7 +355,7 @@ def fused_products(x_TD, ws, scales, *, layer=None, cfg: gpu.TileConfig | None =
     stacked, d, f, block_scaled = gpu._split(ws, scales)
     if stacked != (layer is not None):
         raise ValueError("pass layer= exactly when the weights are stacked [L, D, F]")
-    fz = Fused(mode, t, jnp.dtype(out_dtype or x_TD.dtype).name, silu_mul)
+    fz = Fused(mode, t, jnp.dtype(out_dtype or x_TD.dtype).name, silu_mul, pdl)
     cfg, plan = plan_for(x_TD, ws, scales, cfg, num_sms, fz)
     if cfg is None:
         raise ValueError(f"fused decode matmul kernel can't take these operands: {plan}")
@@ -353,23 +375,22 @@ def fused_products(x_TD, ws, scales, *, layer=None, cfg: gpu.TileConfig | None =
 
 
 def auto_mode(t: int, d: int, f: int, n_mats: int, w_itemsize: int, num_sms: int) -> str | None:
-    """fused="auto" (gpu.FUSED_DEFAULT): "direct" where it measured faster than the partials + epilogue kernel,
-    else None (that kernel). H200, bf16, one run (RESULTS.md "Decode matmuls", per-call table): "direct"
-    gained where its whole-tile runs still occupy most SMs -- the gate/up pair (112 CTAs) +2..25% at
-    T = 1..64, qkv (96 CTAs) 0..31%, 2048x7168 (112 CTAs) +15..23% at T <= 8 -- and lost where they
-    don't or where a run is short with many x rows: 7168x2048 (32 CTAs) -20..-53%, 2048x7168 at T = 32
-    -16%, o / down (64 CTAs) at T = 64 -12..-22%. Hence: Tp <= 8 and >= 45% of the SMs busy, or
-    D >= 4096 and >= 70% busy (T <= 64: T = 128 not measured). fp8: not measured yet -> None. ("sem" measured no faster than the
-    partials path: 0.9-1.06x; it is opt-in only.)"""
-    if w_itemsize != 2 or gpu.padded_t(t) > 64:       # T > 64: not measured
+    """fused="auto" (gpu.FUSED_DEFAULT): "direct" where it measured faster than the partials + epilogue kernel in
+    both H200 runs (RESULTS.md "Decode matmuls", runs E1/E2), else None (that kernel). bf16: "direct" gained where
+    its whole-tile runs still occupy >= 70% of the SMs -- the gate/up pair (112 CTAs) +3..10% at T = 1 and
+    +17..25% at T = 32/64, qkv (96 CTAs) +4% / +31% at T = 1 / 64, 2048x7168 (112 CTAs) +15..23% at T <= 8 --
+    and lost with few CTAs (7168x2048: 32 CTAs, -20..-53%) or short runs with many x rows (2048x7168 at T = 32:
+    -16%). With 64 CTAs (o 4096x4096, down 14336x4096) the two runs disagreed (-12..+21%, run-to-run spread of
+    ~10% on a 14 us call): not taken. Hence busy >= 70% and (Tp <= 8 or D >= 4096), T <= 64 (T = 128 not
+    measured). fp8: "direct" was 0.65-0.78x the default (the warp-specialized kernel at T <= 8) on o in E2 -> None.
+    ("sem" measured 0.9-1.06x the partials path in E1: opt-in only.)"""
+    if w_itemsize != 2 or gpu.padded_t(t) > 64:
         return None
     cfg = auto_config(t, d, f, n_mats, w_itemsize, False, num_sms, "direct")
     if cfg is None:
         return None
     plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms, "direct", 4)
     busy = plan.n_ctas / max(1, num_sms)
-    if gpu.padded_t(t) <= 8 and busy >= 0.45:
-        return "direct"
-    if d >= 4096 and busy >= 0.7:
+    if busy >= 0.7 and (gpu.padded_t(t) <= 8 or d >= 4096):
         return "direct"
     return None

@@ -95,7 +95,7 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: gpu.Til
                     n_slots, stages, mask, "f16", min(cfg.deq_rows, tile_d), 1, cfg.deq_layout)
 
 
-def unsupported_reason(x_TD, ws, scales, cfg: gpu.TileConfig, fz: Fused, num_sms: int) -> str | None:
+def unsupported_reason(x_TD, ws, scales, cfg: gpu.TileConfig, fz: Fused) -> str | None:
     """Why this kernel can't take the operands (None if it can); gpu.unsupported_reason's checks plus its own."""
     why = gpu.unsupported_reason(x_TD, ws, scales, cfg)
     if why:
@@ -303,7 +303,7 @@ def plan_for(x_TD, ws, scales, cfg: gpu.TileConfig | None, num_sms: int | None, 
         cfg = auto_config(t, d, f, len(ws), w_item, block_scaled, num_sms, fz.mode)
         if cfg is None:
             return None, f"no fused tiling fits T={t}, D={d}, F={f}, {len(ws)} matrices"
-    why = unsupported_reason(x_TD, ws, scales, cfg, fz, num_sms)
+    why = unsupported_reason(x_TD, ws, scales, cfg, fz)
     if why:
         return None, why
     plan = make_plan(d, f, t, len(ws), w_item, cfg, num_sms, fz.mode, out_item)

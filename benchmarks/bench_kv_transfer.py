@@ -2,24 +2,26 @@
 through the real transfer service (serving/kv_transfer.py: announce, late reservation, chunks, checksums), with the
 copy ceiling measured in the same run.
 
-    python benchmarks/bench_kv_transfer.py --out kv.json [--pages 2048 --grpc-pages 256 --reps 3]
+    python benchmarks/bench_kv_transfer.py --out kv.json [--layouts smollm2-135m,llama3-8b --tokens 1024,8192]
 
-This process is the prefill side: it holds ``--pages`` random KV-like pages (SmolLM2-135M layout by default,
-[L=30, page 16, 2K=6, H=64] bf16 = 360 KiB a page) on its default device. For each receiver copier it starts a
-second process (the decode side: a device page pool + ``KVReceiver`` with a shared-memory arena) and sends the
-pages to it, timing ``KVSender.send`` end to end (announce -> last chunk written into the decode pool and
-acknowledged). Variants:
+This process is the prefill side. For each KV layout (``smollm2-135m``: [L=30, page 16, 2K=6, H=64] bf16 = 360 KiB
+a page, 23 KB a token; ``llama3-8b``: [32, 16, 16, 128] bf16 = 2 MiB a page, 131 KB a token) and each prompt
+length in ``--tokens`` it holds that prompt's pages (random, KV-like) on its default device and sends them with
+``KVSender.send`` to a second process (the decode side: a device page pool + ``KVReceiver`` with a shared-memory
+arena and a CUDA IPC buffer), timing ``send`` end to end: the checksums queued, announce (the late reservation),
+every chunk's copy and control message, the receiver's landing (one wait, one checksum program over all chunks,
+compared with the sender's) and the pool write, up to the acknowledgement. Variants:
 
-- ``ipc/c<N>``: device to device through the decode side's CUDA IPC staging buffer, N pages per chunk;
-- ``shm/<copier>/c<N>``: the same-host data plane, N pages per chunk, copier ``cupy`` (segment pinned with
-  cudaHostRegister, one DMA each way) or ``jax-pinned`` (pinned_host arrays + threaded memcpy);
-- ``grpc/raw`` and ``grpc/splitzip``: the pages in the gRPC stream (``--grpc-pages`` of them; slow);
-- ceilings: ``jax.device_put`` to / from ``pinned_host`` (the 52 GB/s of JAX_NOTES) and cupy memcpy between the
-  device and the registered segment, on the same array, in this run; and a device->host copy in this process while
-  a second process copies host->device on the same GPU (do two processes' copies overlap?), and a device-to-device
-  copy (the ceiling of the IPC path).
-After every transfer the decode side checksums what landed in its pool and the result must equal the sender's.
-Prints a table and writes JSON.
+- ``ipc``: device to device through the decode side's CUDA IPC staging buffer (one chunk);
+- ``shm/<copier>``: the same-host shared-memory data plane (``cupy``: segment pinned with cudaHostRegister, one DMA
+  each way per chunk, all queued at once; ``jax-pinned``: pinned_host arrays + threaded memcpy), default chunking
+  (about 16 chunks of 8-64 MiB), and ``shm/<copier>/<MB>`` with fixed chunks of that size (``--shm-chunk-mb``);
+- ``grpc/raw`` and ``grpc/splitzip``: the pages in the gRPC stream (``--grpc-tokens``; slow);
+- ceilings, on the largest transfer's bytes: ``jax.device_put`` to / from ``pinned_host``, cupy memcpy between the
+  device and a registered segment (each way, and both ways at once), a device->host copy here while a second process
+  copies host->device, a device-to-device copy (the IPC path's ceiling), host memcpy.
+After every transfer the decode side also checksums what landed in its pool, off the timed path, and the result
+must equal the sender's (``verified``). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -33,11 +35,15 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 PAGE_SHAPE = (30, 16, 6, 64)      # SmolLM2-135M: 30 layers x [page 16, 2 x 3 kv heads, head 64]
+LAYOUTS = {"smollm2-135m": PAGE_SHAPE,
+           "llama3-8b": (32, 16, 16, 128)}     # Llama-3.1-8B: 32 layers x [16, 2 x 8 kv heads, 128] bf16
 GRPC_OPTS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 
 
@@ -70,36 +76,48 @@ class DevicePagePool:
     def free(self, page_ids):
         self._free.extend(page_ids)
 
-    def checksum(self, page_ids):
+    def rows(self, page_ids):
+        """The pages as they are now (a gather queued on the device: later writes do not change it)."""
         import numpy as np
-
-        from tbjax.engine.kv_pages import chunk_checksums
-        rows = self.data[np.asarray(page_ids, np.int32)]
-        return chunk_checksums(rows, len(page_ids), len(page_ids))[0]
+        return self.data[np.asarray(page_ids, np.int32)]
 
 
 def receiver_main(a):
+    import queue
+    import threading
+
     import grpc
 
     from serving.kv_transfer import CODECS, KVReceiver, SplitZipCodec, kv_service_handler, register_codec
+    from tbjax.engine.kv_pages import chunk_checksums
     import jax
 
     register_codec(SplitZipCodec())
-    pool = DevicePagePool(a.pages + 1, PAGE_SHAPE, "bfloat16")
-    landed = {}
+    page_shape = tuple(int(x) for x in a.page_shape.split(","))
+    pool = DevicePagePool(a.pages + 1, page_shape, "bfloat16")
+    todo: queue.Queue = queue.Queue()
 
-    def on_ready(rid, ids, n):
-        t0 = time.perf_counter()
-        landed[rid] = pool.checksum(ids)
+    def on_ready(rid, ids, n):     # the check of what landed runs off the timed path (a thread, in order)
+        todo.put((rid, pool.rows(ids), len(ids)))
         pool.free(ids)     # the benchmark reuses the pool
-        log.write(json.dumps({"id": rid, "checksum": landed[rid], "verify_s": time.perf_counter() - t0}) + "\n")
-        log.flush()
+
+    def verifier():
+        while True:
+            item = todo.get()
+            if item is None:
+                return
+            rid, rows, n = item
+            s = chunk_checksums(rows, n, n)[0]
+            log.write(json.dumps({"id": rid, "checksum": s}) + "\n")
+            log.flush()
+    checker = threading.Thread(target=verifier, daemon=True)
+    checker.start()
 
     log = open(a.log, "a")
 
     async def main():
         nb = (a.pages + 64) * pool.data[0].nbytes
-        rx = KVReceiver(pool, page_dtype="bfloat16", page_shape=PAGE_SHAPE, codecs=list(CODECS), timeout_s=120,
+        rx = KVReceiver(pool, page_dtype="bfloat16", page_shape=page_shape, codecs=list(CODECS), timeout_s=120,
                         on_ready=on_ready, shm_bytes=nb, copier=a.copier, device=jax.devices()[0],
                         ipc_bytes=nb if a.copier == "cupy" else 0)
         server = grpc.aio.server(options=GRPC_OPTS)
@@ -110,6 +128,8 @@ def receiver_main(a):
         print(f"LISTEN 127.0.0.1:{port} copier={type(rx.copier).__name__} shm={rx.arena is not None} "
               f"ipc={rx.ipc is not None}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)     # until the sender closes stdin
+        todo.put(None)
+        await asyncio.to_thread(checker.join, 60)
         print(f"receiver copier fallbacks: {getattr(rx.copier, 'fallbacks', 0)}", file=sys.stderr, flush=True)
         await rx.stop()
         await server.stop(0)
@@ -245,10 +265,10 @@ def ceilings(pages, n, reps):
     return out
 
 
-def start_receiver(a, copier, log):
+def start_receiver(copier, log, page_shape, pages):
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver", "--copier", copier,
-                          "--pages", str(a.pages), "--log", log], cwd=ROOT, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+                          "--pages", str(pages), "--page-shape", ",".join(map(str, page_shape)), "--log", log],
+                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     if not line.startswith("LISTEN"):
         p.kill()
@@ -265,43 +285,58 @@ def read_checksums(log):
     return out
 
 
-async def run_variant(addr, name, pages, n, chunk, reps, shm, codecs, copier, log, ipc=False):
+async def run_variant(addr, name, pages, n, reps, log, **sender_kw):
     import grpc
 
     from serving.kv_transfer import KVSender
     from tbjax.engine.kv_pages import chunk_checksums
 
     want = chunk_checksums(pages, n, n)[0]
-    res = {"variant": name, "pages": n, "chunk_pages": chunk, "raw_bytes": None, "runs": []}
+    res = {"variant": name, "pages": n, "raw_bytes": None, "runs": [], "announce_s": [], "push_s": [],
+           "sender": {k: v for k, v in sender_kw.items() if k != "copier"}}
     async with grpc.aio.insecure_channel(addr, options=GRPC_OPTS) as ch:
-        sender = KVSender(ch, codecs=codecs, chunk_pages=chunk, timeout_s=300, shm=shm, copier=copier, ipc=ipc)
+        sender = KVSender(ch, timeout_s=300, **sender_kw)
         for i in range(reps + 1):
-            rid = f"{name}-{i}"
+            rid = f"{name}-{n}-{i}"
             t0 = time.perf_counter()
             st = await sender.send(rid, pages, n, num_pages=n)
             dt = time.perf_counter() - t0
             res["raw_bytes"], res["wire_bytes"], res["path"], res["codec"] = st.raw_bytes, st.wire_bytes, st.path, st.codec
             if i:
                 res["runs"].append(dt)
-    await asyncio.sleep(0.5)
-    got = read_checksums(log)
-    res["verified"] = all(got.get(f"{name}-{i}") == want for i in range(reps + 1))
+                res["announce_s"].append(st.announce_s)
+                res["push_s"].append(st.push_s)
+    ids = [f"{name}-{n}-{i}" for i in range(reps + 1)]
+    for _ in range(600):       # the receiver checks what landed off the timed path
+        got = read_checksums(log)
+        if all(i in got for i in ids):
+            break
+        await asyncio.sleep(0.1)
+    res["verified"] = all(got.get(i) == want for i in ids)
+    if not res["verified"]:
+        res["verify_detail"] = {"want": want, "got": {i: got.get(i) for i in ids}}
     res["s"] = statistics.median(res["runs"])
     res["gbs"] = res["raw_bytes"] / res["s"] / 1e9
+    res["push_gbs"] = res["raw_bytes"] / statistics.median(res["push_s"]) / 1e9
     return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pages", type=int, default=2048, help="pages moved by the shared-memory variants")
-    ap.add_argument("--grpc-pages", type=int, default=256, help="pages moved by the gRPC byte-stream variants")
-    ap.add_argument("--chunks", default="64,256", help="pages per chunk, comma-separated (shm variants)")
-    ap.add_argument("--copiers", default="auto", help="comma-separated: cupy, jax-pinned, numpy; auto = what fits")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--skip-grpc", action="store_true")
+    ap.add_argument("--layouts", default="smollm2-135m,llama3-8b", help=f"comma-separated, of {sorted(LAYOUTS)}")
+    ap.add_argument("--tokens", default="1024,8192", help="prompt lengths whose KV is moved (page 16)")
+    ap.add_argument("--grpc-tokens", type=int, default=1024, help="prompt length of the gRPC byte-stream variants "
+                    "(first layout only; 0: skip them)")
+    ap.add_argument("--copiers", default="auto", help="comma-separated: cupy, jax-pinned, numpy; auto = cupy on a "
+                    "GPU (+ IPC), numpy on CPU")
+    ap.add_argument("--shm-chunk-mb", default="", help="extra shm variants with fixed chunks of these MB")
+    ap.add_argument("--no-ipc", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--copier", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--pages", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--page-shape", default=",".join(map(str, PAGE_SHAPE)), help=argparse.SUPPRESS)
     ap.add_argument("--log", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--copy-helper", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--helper-bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -322,79 +357,112 @@ def main():
     register_codec(SplitZipCodec())
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
-    copiers = (["cupy", "jax-pinned"] if gpu else ["numpy"]) if a.copiers == "auto" else a.copiers.split(",")
-    B = 1 << (a.pages - 1).bit_length()
-    pages = (jax.random.normal(jax.random.key(0), (B, *PAGE_SHAPE), jnp.float32) * 0.5).astype(jnp.bfloat16)
-    pages.block_until_ready()
-    page_bytes = pages[0].nbytes
-    res = {"device": str(dev), "device_kind": dev.device_kind, "page_shape": PAGE_SHAPE, "page_bytes": page_bytes,
-           "pages": a.pages, "MB": a.pages * page_bytes / 1e6, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    copiers = (["cupy"] if gpu else ["numpy"]) if a.copiers == "auto" else a.copiers.split(",")
+    layouts = a.layouts.split(",")
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
+    tokens = [int(t) for t in a.tokens.split(",")]
+    res = {"device": str(dev), "device_kind": dev.device_kind, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip(), "variants": []}
+                                 text=True).stdout.strip(), "args": vars(a), "variants": []}
     try:
         st = os.statvfs("/dev/shm")
         res["dev_shm_free_GB"] = st.f_bavail * st.f_frsize / 1e9
     except OSError:
         pass
-    res["ceiling"] = ceilings(pages, a.pages, a.reps)
+
+    def save():
+        if a.out:     # partial results survive a timeout
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    def make_pages(shape, n):
+        B = 1 << (n - 1).bit_length()
+        x = (jax.random.normal(jax.random.key(n), (B, *shape), jnp.float32) * 0.5).astype(jnp.bfloat16)
+        x.block_until_ready()
+        return x
+
+    # ceilings on the largest transfer of the run
+    big = max(((LAYOUTS[l], t // 16) for l in layouts for t in tokens), key=lambda x: x[1] * int(np.prod(x[0])))
+    pages = make_pages(*big)
+    res["ceiling_bytes"] = big[1] * pages[0].nbytes
+    res["ceiling"] = ceilings(pages, big[1], 5)
     if gpu:
         try:
-            res["ceiling"]["cross_process"] = cross_process_ceiling(pages[:a.pages])
+            res["ceiling"]["cross_process"] = cross_process_ceiling(pages[:big[1]])
         except Exception as e:  # noqa: BLE001
             res["ceiling"]["cross_process_error"] = f"{type(e).__name__}: {e}"
+    del pages
     for k, v in res["ceiling"].items():
         print(f"ceiling {k:<38} " + (f"{v['gbs']:7.2f} GB/s" if isinstance(v, dict) and "gbs" in v else str(v)),
               flush=True)
-    log = f"/tmp/bench_kv_transfer_{os.getpid()}.jsonl"
-    ks = [int(k) for k in a.chunks.split(",")]
-    runs = [(c, ([(f"ipc/c{k}", a.pages, k, True, ["raw"], True) for k in ks] if c == "cupy" else [])
-             + [(f"shm/{c}/c{k}", a.pages, k, True, ["raw"], False) for k in ks]) for c in copiers]
-    if not a.skip_grpc:    # last: the splitzip encoder may compile for a while
-        runs.append((copiers[0], [("grpc/raw", a.grpc_pages, 16, False, ["raw"], False),
-                                  ("grpc/splitzip", a.grpc_pages, 16, False, ["splitzip", "raw"], False)]))
-    for copier, plans in runs:
-        try:
-            proc, addr, line = start_receiver(a, copier, log)
-        except Exception as e:  # noqa: BLE001
-            res["variants"].append({"variant": f"receiver/{copier}", "error": str(e)})
-            continue
-        print(line, flush=True)
-        try:
-            sc = kv_shm.make_copier(copier)
-            for name, n, c, shm, codecs, ipc in plans:
-                try:
-                    r = asyncio.run(run_variant(addr, name, pages, n, c, a.reps, shm, codecs, sc, log, ipc))
-                    r["sender_copier_fallbacks"] = getattr(sc, "fallbacks", 0)
-                except Exception as e:  # noqa: BLE001
-                    r = {"variant": name, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-2000:]}
-                res["variants"].append(r)
-                if "error" in r:
-                    print(f"{name:<24} ERROR {r['error']}", flush=True)
-                else:
-                    print(f"{name:<24} {r['pages']:>5} pages {r['raw_bytes'] / 1e6:9.1f} MB raw "
-                          f"{r['wire_bytes'] / 1e6:9.1f} MB wire {r['s'] * 1e3:9.2f} ms {r['gbs']:7.2f} GB/s "
-                          f"path={r['path']} verified={r['verified']} fallbacks={r['sender_copier_fallbacks']}",
-                          flush=True)
-                if a.out:     # partial results survive a timeout
-                    with open(a.out, "w") as f:
-                        json.dump(res, f, indent=1)
-        finally:
-            proc.stdin.close()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    save()
     ceil = res["ceiling"].get("cupy_d2h_shm") or res["ceiling"].get("jax_d2h_pinned_host")
-    if ceil:
-        for r in res["variants"]:
-            if "gbs" in r:
-                r["pct_of_d2h_ceiling"] = 100 * r["gbs"] / ceil["gbs"]
+    log = f"/tmp/bench_kv_transfer_{os.getpid()}.jsonl"
+    print(f"{'layout':<13} {'tokens':>6} {'MB':>8} {'variant':<22} {'chunks':>6} {'ms':>8} {'GB/s':>7} {'%ceil':>6} "
+          f"{'push GB/s':>9} {'path':>5} verified", flush=True)
+    for li, layout in enumerate(layouts):
+        shape = LAYOUTS[layout]
+        ns = [t // 16 for t in tokens]
+        pages = make_pages(shape, max(ns))
+        for copier in copiers:
+            plans = []
+            for n in ns:
+                if copier == "cupy" and not a.no_ipc:
+                    plans.append(("ipc", n, dict(ipc=True)))
+                plans.append((f"shm/{copier}", n, dict(ipc=False)))
+                for mb in [int(x) for x in a.shm_chunk_mb.split(",") if x]:
+                    plans.append((f"shm/{copier}/{mb}MB", n, dict(ipc=False, fast_chunk_bytes=mb << 20,
+                                                                  fast_min_chunk_bytes=mb << 20)))
+            if li == 0 and a.grpc_tokens and copier == copiers[0]:     # last: the splitzip encoder compiles a while
+                g = a.grpc_tokens // 16
+                plans += [("grpc/raw", g, dict(shm=False, codecs=["raw"])),
+                          ("grpc/splitzip", g, dict(shm=False, codecs=["splitzip", "raw"]))]
+            try:
+                proc, addr, line = start_receiver(copier, log, shape, max(ns))
+            except Exception as e:  # noqa: BLE001
+                res["variants"].append({"variant": f"receiver/{copier}", "error": str(e)})
+                continue
+            print(line, flush=True)
+            try:
+                sc = kv_shm.make_copier(copier)
+                for name, n, kw in plans:
+                    try:
+                        r = asyncio.run(run_variant(addr, name, pages, n, a.reps, log, copier=sc,
+                                                    chunk_pages=16 if name.startswith("grpc") else 1, **kw))
+                        r["sender_copier_fallbacks"] = getattr(sc, "fallbacks", 0)
+                    except Exception as e:  # noqa: BLE001
+                        r = {"variant": name, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-2000:]}
+                    r["layout"], r["tokens"] = layout, n * 16
+                    res["variants"].append(r)
+                    if "error" in r:
+                        print(f"{layout:<13} {n * 16:>6} {'':>8} {name:<22} ERROR {r['error']}", flush=True)
+                    else:
+                        r["pct_of_d2h_ceiling"] = 100 * r["gbs"] / ceil["gbs"] if ceil else None
+                        from serving.kv_transfer import KVSender
+                        probe = KVSender.__new__(KVSender)
+                        probe.chunk_pages, probe.fast_chunks = 1, 16
+                        probe.fast_chunk_bytes = kw.get("fast_chunk_bytes", 64 << 20)
+                        probe.fast_min_chunk_bytes = kw.get("fast_min_chunk_bytes", 8 << 20)
+                        c = (probe.fast_chunk_pages(pages, n, ipc=r["path"] == "ipc") if r["path"] != "grpc" else 16)
+                        r["chunks"] = -(-n // c)
+                        pct = f"{r['pct_of_d2h_ceiling']:6.1f}" if ceil else "     -"
+                        print(f"{layout:<13} {n * 16:>6} {r['raw_bytes'] / 1e6:8.1f} {name:<22} {r['chunks']:>6} "
+                              f"{r['s'] * 1e3:8.2f} {r['gbs']:7.2f} {pct} {r['push_gbs']:9.2f} {r['path']:>5} "
+                              f"{r['verified']}", flush=True)
+                    save()
+            finally:
+                proc.stdin.close()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        del pages
     leftover = [f for f in os.listdir("/dev/shm") if f.startswith("tbjax-kv-")]
     res["dev_shm_leftover"] = leftover
     print(f"leftover shm segments: {leftover}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save()
 
 
 if __name__ == "__main__":

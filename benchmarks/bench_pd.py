@@ -30,10 +30,25 @@ from serving.pd_worker import PD_SERVICE, dumps, loads  # noqa: E402
 ENV = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}     # several processes share one GPU
 
 
+ERR_DIR = os.environ.get("TMPDIR", "/tmp")
+
+
 def start(role, *args):
+    err = open(os.path.join(ERR_DIR, f"bench_pd_{os.getpid()}_{role}.err"), "w")    # shown if something fails
     p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--role", role, "--port", "0", "--metrics-port", "-1",
-                          *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+                          *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
+    p.err_path = err.name
     return p
+
+
+def show_errors(procs):
+    for p in procs:
+        try:
+            tail = open(p.err_path).read().splitlines()[-15:]
+        except OSError:
+            continue
+        if tail:
+            print(f"--- {p.err_path} (last lines)\n" + "\n".join(tail), flush=True)
 
 
 def address(p):
@@ -51,7 +66,11 @@ def ttft(target, ids, reps, ends=None):
             s = c.generate_stream(token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True)
             next(s)
             out.append(time.perf_counter() - t0)
-            list(s)
+            try:
+                list(s)
+            except Exception as e:  # noqa: BLE001 - the second token needs the KV transfer: report, keep the TTFT
+                print(f"second token failed: {type(e).__name__}: {e}"[:300], flush=True)
+                continue
             if ends is not None and i > 1:
                 ends.append(time.perf_counter() - t0)
     return out[2:]
@@ -75,8 +94,11 @@ def main():
     procs = [start("colocated", *eng), start("prefill", *eng, "--kv-chunk-pages", str(a.kv_chunk_pages)),
              start("decode", *eng, "--kv-shm-mb", str(a.kv_shm_mb))]
     rows = []
+    t_start = time.perf_counter()
+    failed = True
     try:
         col, pre, dec = (address(p) for p in procs)
+        print(f"servers up after {time.perf_counter() - t_start:.1f} s", flush=True)
         procs.append(start("router", *model, "--prefill-workers", pre, "--decode-workers", dec, "--worker-timeout",
                            "600"))
         rtr = address(procs[-1])
@@ -90,10 +112,15 @@ def main():
                                       response_deserializer=lambda b: b)
                 for i in range(a.reps + 1):
                     params = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
-                    msgs = [loads(m) for m in rpc(dumps({"id": f"bench-{n_tok}-{i}", "prompt_token_ids": ids,
-                                                         "params": params, "decode": dec}), timeout=600)]
-                    transfers.append(msgs[-1]["done"])
-            transfers = transfers[1:]
+                    try:
+                        msgs = [loads(m) for m in rpc(dumps({"id": f"bench-{n_tok}-{i}", "prompt_token_ids": ids,
+                                                             "params": params, "decode": dec}), timeout=600)]
+                        transfers.append(msgs[-1]["done"])
+                    except Exception as e:  # noqa: BLE001 - report and go on to the TTFT comparison
+                        print(f"transfer {i} failed: {type(e).__name__}: {e}"[:300], flush=True)
+            print(f"{n_tok} tokens: transfers done at {time.perf_counter() - t_start:.1f} s", flush=True)
+            transfers = transfers[1:] or [{"raw_bytes": 0, "wire_bytes": 0, "seconds": float("nan"), "pages": 0,
+                                           "codec": "failed"}]
             gbs = [t["raw_bytes"] / t["seconds"] / 1e9 for t in transfers]
             e_col, e_pd = [], []
             t_col, t_pd = ttft(col, ids, a.reps, e_col), ttft(rtr, ids, a.reps, e_pd)
@@ -112,7 +139,10 @@ def main():
                   f"{res['ttft_colocated_s'] * 1e3:>11.2f} {res['ttft_disaggregated_s'] * 1e3:>10.2f} "
                   f"{res['ttft_ratio']:>6.2f} {res['two_tokens_colocated_s'] * 1e3:>8.2f} "
                   f"{res['two_tokens_disaggregated_s'] * 1e3:>8.2f}", flush=True)
+        failed = False
     finally:
+        if failed:
+            show_errors(procs)
         for p in procs:          # SIGTERM: servers drain and the decode worker unlinks its shared memory
             p.terminate()
         for p in procs:

@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="with --spawn: engine batch slots")
     ap.add_argument("--num-pages", type=int, default=None, help="with --spawn: KV pages")
     ap.add_argument("--fake-step-time", type=float, default=0.0, help="with --spawn fake: seconds per step")
+    ap.add_argument("--pad-batch", action="store_true",
+                    help="with --spawn model/synthetic: every step padded to the full batch bucket (max-num-seqs), so "
+                         "fewer shape buckets compile (both paths run the same programs)")
     ap.add_argument("--out", help="write the results as JSON here")
     return ap
 
@@ -331,6 +334,9 @@ def main(argv=None) -> dict:
     model = None
     if a.spawn:
         model = _spawn_model(a)
+        runner = getattr(model.engine, "runner", None)
+        if a.pad_batch and runner is not None:
+            runner.min_seqs = runner.max_num_seqs
         vocab, ctx = model.vocab_size, model.max_context
     else:
         from serving.client import Client
@@ -343,6 +349,22 @@ def main(argv=None) -> dict:
     else:
         warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
     runs = {}
+    report = {"config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
+              "git_commit": _git_commit(), "host": platform.node(), "python": platform.python_version()}
+
+    def compiled():
+        r = getattr(getattr(model, "engine", None), "runner", None)
+        return getattr(r, "num_compiled", None)
+
+    def record(mode, results, duration, label):
+        runs[mode] = (results, duration, label)
+        summary = summarize(results, duration)
+        print_table(summary, f"{label}: {a.num_requests} requests, rate {a.request_rate}, "
+                             f"concurrency {a.concurrency or 'unlimited'}")
+        report[mode] = summary
+        if a.out:     # partial results survive a timeout
+            with open(a.out, "w") as f:
+                json.dump(report, f, indent=2, default=str)
 
     def grpc_pass(job_list, label=None):
         server = None
@@ -363,21 +385,31 @@ def main(argv=None) -> dict:
         return res, dur, f"gRPC {tgt}"
 
     # warm up every path first (compiles shape buckets), then measure: no pass pays for another's compiles
+    t0 = time.perf_counter()
     if warm and (a.offline or a.compare_offline):
         run_offline(model.engine, model.make_params, warm, a)
+        print(f"warm-up offline: {time.perf_counter() - t0:.1f} s, {compiled()} programs compiled", flush=True)
     if warm and not a.offline:
         grpc_pass(warm)
+        print(f"warm-up done: {time.perf_counter() - t0:.1f} s, {compiled()} programs compiled", flush=True)
+    report["warmup_s"], report["programs_compiled_warmup"] = time.perf_counter() - t0, compiled()
+    def clean(fn, mode):
+        """Run a measured pass again (up to twice) when a program compiled during it: no pass pays for a compile."""
+        for attempt in range(3):
+            c0 = compiled()
+            out = fn()
+            if compiled() == c0:
+                break
+            print(f"{mode}: {compiled() - c0} program(s) compiled during the pass; measuring it again", flush=True)
+        report.setdefault("passes_repeated", {})[mode] = attempt
+        return out
+
     if a.offline or a.compare_offline:
-        runs["offline"] = (*run_offline(model.engine, model.make_params, jobs, a), "offline engine")
+        record("offline", *clean(lambda: run_offline(model.engine, model.make_params, jobs, a), "offline"),
+               "offline engine")
     if not a.offline:
-        runs["grpc"] = grpc_pass(jobs)
-    report = {"config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
-              "git_commit": _git_commit(), "host": platform.node(), "python": platform.python_version()}
-    for mode, (results, duration, label) in runs.items():
-        summary = summarize(results, duration)
-        print_table(summary, f"{label}: {a.num_requests} requests, rate {a.request_rate}, "
-                             f"concurrency {a.concurrency or 'unlimited'}")
-        report[mode] = summary
+        record("grpc", *clean(lambda: grpc_pass(jobs), "grpc"))
+    report["programs_compiled"] = compiled()
     report["mode"] = "+".join(runs)
     report["summary"] = report["grpc" if "grpc" in runs else "offline"]
     if len(runs) == 2:

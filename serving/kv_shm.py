@@ -39,11 +39,12 @@ import os
 import socket
 import threading
 import uuid
+from typing import Callable
 
 import numpy as np
 
 __all__ = ["host_id", "sweep_stale", "Regions", "ShmArena", "IpcArena", "ipc_capable", "open_ipc", "copy_to_ipc", "ShmMapping", "HostCopier", "NumpyCopier", "CupyCopier", "JaxPinnedCopier",
-           "make_copier", "COPIERS"]
+           "make_copier", "COPIERS", "Landing", "start_copy_to_ipc"]
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,20 @@ def copy_to_ipc(pages, first: int, n: int, dst_ptr: int, stream=None) -> None:
     s.synchronize()
 
 
+def start_copy_to_ipc(pages, first: int, n: int, dst_ptr: int) -> Callable[[], None]:
+    """Start ``copy_to_ipc`` (``pages`` must be ready) and return a function that waits for it."""
+    import cupy
+
+    src = cupy.from_dlpack(pages)
+    rb = _row_bytes(pages.dtype, pages.shape[1:])
+    s = _ipc_stream()
+    cupy.cuda.runtime.memcpyAsync(dst_ptr, src.data.ptr + first * rb, n * rb,
+                                  cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+    ev = cupy.cuda.Event(block=False, disable_timing=True)
+    ev.record(s)
+    return lambda: (ev.synchronize(), src)[0]
+
+
 _STREAMS: dict = {}
 
 
@@ -338,6 +353,11 @@ class HostCopier:
         """Rows ``n`` of ``row_shape`` from the segment at ``offset``, as an array with at least ``n`` rows
         (padding rows may follow) where the pool wants them (``device``: a jax device, or None for the host)."""
         raise NotImplementedError
+
+    def start_to_shm(self, pages, first: int, n: int, seg: ShmMapping, offset: int) -> Callable[[], None]:
+        """Start ``to_shm`` and return a function that waits for it (run that off the event loop). Copiers that
+        cannot copy asynchronously do the whole copy in the returned function."""
+        return lambda: self.to_shm(pages, first, n, seg, offset)
 
 
 def _row_bytes(dtype, row_shape) -> int:
@@ -420,6 +440,26 @@ class CupyCopier(HostCopier):
         self.cp.cuda.runtime.memcpyAsync(seg.address + offset, src.data.ptr + first * rb, n * rb,
                                          self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
+
+    def start_to_shm(self, pages, first, n, seg, offset):
+        """One cudaMemcpyAsync device -> segment on this copier's stream and an event after it: copies of successive
+        chunks queue back to back on the DMA engine (no gap per chunk); the returned function waits for the event.
+        ``pages`` must be ready (the caller waits for it once)."""
+        if isinstance(pages, np.ndarray):
+            return super().start_to_shm(pages, first, n, seg, offset)
+        rb = _row_bytes(pages.dtype, pages.shape[1:])
+        seg.view(offset, n * rb)
+        try:
+            self.register(seg)
+            src = self.cp.from_dlpack(pages)
+        except Exception as e:  # noqa: BLE001
+            alt = self._fallback("device -> shm", e)
+            return lambda: alt.to_shm(pages, first, n, seg, offset)
+        self.cp.cuda.runtime.memcpyAsync(seg.address + offset, src.data.ptr + first * rb, n * rb,
+                                         self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        return lambda: (ev.synchronize(), src)[0]       # src keeps the DLPack view alive until the copy is done
 
     def from_shm(self, seg, offset, n, dtype, row_shape, device=None):
         import jax
@@ -511,3 +551,154 @@ def make_copier(name: str = "auto") -> HostCopier:
     if name not in COPIERS:
         raise ValueError(f"unknown host copier {name!r}; choose one of {sorted(COPIERS)} or 'auto'")
     return COPIERS[name]()
+
+
+# -- decode side: where a reservation's pages land -------------------------------------------------------------
+_LAND_STREAMS: dict = {}
+
+
+def _land_stream(cp, hw: int):
+    if hw not in _LAND_STREAMS:
+        with cp.cuda.Device(hw):
+            _LAND_STREAMS[hw] = cp.cuda.Stream(non_blocking=True)
+    return _LAND_STREAMS[hw]
+
+
+def _land_fn():
+    """jit: uint8 device bytes -> (rows [B, *row_shape] of dtype, per-chunk checksums): one program per transfer."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from tbjax.engine.kv_pages import _chunk_checksums
+
+    @functools.partial(jax.jit, static_argnames=("B", "dtype", "row_shape", "chunk_pages"))
+    def land(u8, n, *, B, dtype, row_shape, chunk_pages):
+        rows = _view_rows(u8, B, jnp.dtype(dtype), row_shape)
+        return rows, _chunk_checksums(rows, n, chunk_pages=chunk_pages)
+    return land
+
+
+_LAND = None
+
+
+class Landing:
+    """Decode side: one reservation's pages arrive here chunk by chunk and leave once, verified, for the pool.
+
+    On a GPU with cupy (``device`` on a GPU and either a ``CupyCopier`` or an IPC chunk) the pages land in one device
+    buffer of the reservation: each chunk is one cudaMemcpyAsync (shared memory -> device, or IPC buffer -> device)
+    queued on a stream when its control message arrives (no wait, no thread hop, no JAX dispatch per chunk);
+    ``finish`` waits once, then one program views the bytes as pages and checksums every chunk. Elsewhere (CPU
+    workers, the jax-pinned copier) each chunk is read by the copier as before and the chunks are joined at
+    ``finish``. ``finish`` returns ``(rows, checksums)``: rows ``[>= n, *row_shape]`` (padding rows may follow),
+    checksums ``{first_page: 64-bit}`` of each chunk, computed after landing, for the caller to compare with the
+    sender's."""
+
+    def __init__(self, n: int, dtype, row_shape, device=None, copier: HostCopier | None = None):
+        self.n, self.dtype, self.row_shape = int(n), np.dtype(dtype), tuple(row_shape)
+        self.rb = _row_bytes(self.dtype, self.row_shape)
+        self.device, self.copier = device, copier
+        self.parts: list[tuple[int, int]] = []          # (first, m) in arrival order
+        self._host: list[tuple[int, int, object]] = []  # slow path: (first, m, rows)
+        self._dst = None
+        self.gpu = device is not None and device.platform == "gpu"
+        self.hw = (device.local_hardware_id if device.local_hardware_id is not None else device.id) if self.gpu else None
+
+    def _device_buffer(self):
+        if self._dst is None:
+            import cupy
+
+            self.cp = cupy
+            self.B = _bucket(self.n)
+            self.stream = _land_stream(cupy, self.hw)
+            with cupy.cuda.Device(self.hw):
+                self._dst = cupy.empty(self.B * self.rb, cupy.uint8)
+        return self._dst
+
+    def _async(self, src_ptr: int, first: int, m: int, kind: int) -> None:
+        dst = self._device_buffer()
+        with self.cp.cuda.Device(self.hw):
+            self.cp.cuda.runtime.memcpyAsync(dst.data.ptr + first * self.rb, src_ptr, m * self.rb, kind,
+                                             self.stream.ptr)
+        self.parts.append((first, m))
+
+    def put_shm(self, seg: ShmMapping, offset: int, first: int, m: int) -> Callable[[], None] | None:
+        """Chunk rows ``[first, first + m)`` from the segment at ``offset``. Returns None when the copy is queued
+        (fast path), else a function that does it (call it off the event loop)."""
+        seg.view(offset, m * self.rb)
+        if self.gpu and isinstance(self.copier, CupyCopier) and not self.copier.fallbacks:
+            try:
+                self.copier.register(seg)
+                self._async(seg.address + offset, first, m, self.copier.cp.cuda.runtime.memcpyHostToDevice)
+                return None
+            except Exception as e:  # noqa: BLE001 - e.g. cannot pin: the copier's own (slower) reads
+                log.warning("landing by cudaMemcpyAsync failed (%s: %s); per-chunk reads", type(e).__name__, e)
+                if self._dst is not None:
+                    raise
+        self.parts.append((first, m))
+        return lambda: self._host.append((first, m, self.copier.from_shm(seg, offset, m, self.dtype,
+                                                                         self.row_shape, self.device)))
+
+    def put_ipc(self, src_ptr: int, first: int, m: int) -> None:
+        """Chunk rows from a device pointer (this process's IPC buffer): a device-to-device copy, queued."""
+        import cupy
+
+        self.cp = cupy
+        self._async(src_ptr, first, m, cupy.cuda.runtime.memcpyDeviceToDevice)
+
+    def finish(self):
+        """Wait for the copies; ``(rows, {first: checksum64})`` (run off the event loop)."""
+        firsts = sorted(self.parts)
+        c = firsts[0][1]
+        uniform = all(f == j * c and (m == c or f + m == self.n) for j, (f, m) in enumerate(firsts))
+        if self._dst is not None:
+            if self._host:
+                raise RuntimeError("a reservation's chunks came by two different landings")
+            global _LAND
+            self.stream.synchronize()
+            import jax
+
+            if _LAND is None:
+                _LAND = _land_fn()
+            u8 = jax.dlpack.from_dlpack(self._dst)
+            rows, ab = _LAND(u8, np.int32(self.n), B=self.B, dtype=self.dtype.name, row_shape=self.row_shape,
+                             chunk_pages=c if uniform else self.B)
+            if uniform:
+                return rows, _sums_by_first(ab, self.n, c)
+            return rows, _sums_each(rows, firsts)
+        parts = sorted(self._host, key=lambda p: p[0])
+        if len(parts) == 1:
+            rows = parts[0][2]
+        elif isinstance(parts[0][2], np.ndarray):
+            rows = np.concatenate([np.asarray(r)[:m] for _, m, r in parts])
+        else:
+            import jax.numpy as jnp
+            rows = jnp.concatenate([r[:m] for _, m, r in parts])
+        if uniform:
+            from tbjax.engine.kv_pages import chunk_checksums
+            return rows, dict(zip([f for f, _ in firsts], chunk_checksums(rows, self.n, c)))
+        return rows, _sums_each(rows, firsts)
+
+    def abandon(self) -> None:
+        """The reservation failed: let queued copies end before the buffer can be reused."""
+        if self._dst is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:  # noqa: BLE001
+                pass
+            self._dst = None
+
+
+def _sums_by_first(ab, n: int, c: int) -> dict[int, int]:
+    import jax
+
+    ab = np.asarray(jax.device_get(ab)).astype(np.uint64)
+    C = -(-n // c)
+    return {j * c: (int(b) << 32) | int(a) for j, (a, b) in enumerate(ab[:C])}
+
+
+def _sums_each(rows, firsts) -> dict[int, int]:
+    from tbjax.engine.kv_pages import chunk_checksums
+
+    return {f: chunk_checksums(rows[f:f + m], m, m)[0] for f, m in firsts}

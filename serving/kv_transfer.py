@@ -196,6 +196,9 @@ class _Reservation:
     shm_chunks: int = 0               # chunks that came through it (shared memory or IPC)
     ipc_offset: int | None = None     # granted region of the receiver's IPC buffer
     ipc_chunks: int = 0
+    landing: kv_shm.Landing | None = None   # same-host chunks land here; verified and written once, at the end
+    sums: dict = field(default_factory=dict)        # first page -> the sender's checksum64 of that chunk
+    scales: np.ndarray | None = None                # scales of landed chunks (fp8 pools)
 
 
 class KVReceiver:
@@ -261,6 +264,8 @@ class KVReceiver:
     def _fail(self, res: _Reservation, reason: str) -> None:
         if self._res.pop(res.id, None) is None:
             return
+        if res.landing is not None:
+            res.landing.abandon()
         self._free_region(res)
         self.pool.free(res.pages)
         self.num_failed += 1
@@ -368,6 +373,11 @@ class KVReceiver:
                     if not res.received.all():
                         missing = np.flatnonzero(~res.received)[:8].tolist()
                         raise _Abort(grpc.StatusCode.DATA_LOSS, f"last chunk arrived but pages {missing} are missing")
+                    if res.landing is not None:
+                        await self._finish_landing(res)
+                        if res.id not in self._res:
+                            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         "the reservation lapsed during the transfer")
                     done = True
                     break
             if res is None:
@@ -413,12 +423,8 @@ class KVReceiver:
             scales = np.frombuffer(chunk.scales, np.float32).reshape(n, *self.scales_shape)
         elif chunk.scales:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "chunk carries scales, this worker's pages have none")
-        if chunk.in_ipc:
-            pages = await self._read_fast(res.ipc_offset, self.ipc, self._from_ipc, "the IPC buffer", first, n,
-                                          chunk.checksum64)
-        elif chunk.in_shm:
-            pages = await self._read_fast(res.shm_offset, self.arena, self._from_shm, "shared memory", first, n,
-                                          chunk.checksum64)
+        if chunk.in_ipc or chunk.in_shm:
+            await self._land(res, chunk, first, n, scales)
         else:
             if chunk.codec != res.codec:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk codec {chunk.codec!r}, agreed {res.codec!r}")
@@ -428,14 +434,9 @@ class KVReceiver:
                 pages = CODECS[res.codec].decode(chunk.payload, self.dtype, (n, *self.page_shape))
             except Exception as e:  # noqa: BLE001
                 raise _Abort(grpc.StatusCode.DATA_LOSS, f"cannot decode chunk at page {first}: {e}") from None
-        try:
-            w = self.pool.write(res.pages[first:first + n], pages, scales)
-            if inspect.isawaitable(w):
-                await w
-        except Exception as e:  # noqa: BLE001 - the pool could not store them
-            raise _Abort(grpc.StatusCode.INTERNAL, f"cannot store chunk at page {first}: {e}") from None
-        if res.id not in self._res:
-            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
+            await self._write(res, first, n, pages, scales)
+            if res.id not in self._res:
+                raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
         res.received[first:first + n] = True
         res.shm_chunks += bool(chunk.in_shm)
         res.ipc_chunks += bool(chunk.in_ipc)
@@ -446,38 +447,64 @@ class KVReceiver:
             self.metrics.transfer_raw.inc(chunk.raw_nbytes)
             self.metrics.transfer_wire.inc(len(chunk.payload) + len(chunk.scales))
 
-    async def _read_fast(self, region_offset, plane, read, where: str, first: int, n: int, checksum64: int):
-        """Pages [first, first + n) of a reservation's region on a same-host data plane (off the event loop)."""
-        if region_offset is None or plane is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"chunk is in {where}, none was granted")
+    async def _write(self, res: _Reservation, first: int, n: int, pages, scales) -> None:
         try:
-            return await asyncio.to_thread(read, region_offset + first * self.page_nbytes, n, checksum64)
-        except _Abort:
-            raise
+            w = self.pool.write(res.pages[first:first + n], pages, scales)
+            if inspect.isawaitable(w):
+                await w
+        except Exception as e:  # noqa: BLE001 - the pool could not store them
+            raise _Abort(grpc.StatusCode.INTERNAL, f"cannot store chunk at page {first}: {e}") from None
+
+    async def _land(self, res: _Reservation, chunk, first: int, n: int, scales) -> None:
+        """A same-host chunk: queue its copy into the reservation's landing (shared memory or IPC buffer -> the
+        pool's device); verification and the pool write happen once, after the last chunk (``_finish_landing``)."""
+        ipc = chunk.in_ipc
+        where = "the IPC buffer" if ipc else "shared memory"
+        region, plane = (res.ipc_offset, self.ipc) if ipc else (res.shm_offset, self.arena)
+        if region is None or plane is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"chunk is in {where}, none was granted")
+        if res.landing is None:
+            res.landing = kv_shm.Landing(len(res.pages), self.dtype, self.page_shape, self.device, self.copier)
+        offset = region + first * self.page_nbytes
+        try:
+            if ipc:
+                res.landing.put_ipc(self.ipc.ptr + offset, first, n)
+            else:
+                slow = res.landing.put_shm(self.arena.seg, offset, first, n)
+                if slow is not None:
+                    await asyncio.to_thread(slow)
         except Exception as e:  # noqa: BLE001
             raise _Abort(grpc.StatusCode.INTERNAL, f"cannot read chunk at page {first} from {where}: "
                                                    f"{type(e).__name__}: {e}") from None
+        res.sums[first] = chunk.checksum64
+        if scales is not None:
+            if res.scales is None:
+                res.scales = np.zeros((len(res.pages), *self.scales_shape), np.float32)
+            res.scales[first:first + n] = scales
+        if res.id not in self._res:
+            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
 
-    def _from_ipc(self, offset: int, n: int, checksum64: int):
-        from tbjax.engine.kv_pages import chunk_checksums
-
-        rows = self.ipc.rows(offset, n, self.dtype, self.page_shape)
-        got = chunk_checksums(rows, n, rows.shape[0])[0]
-        if got != checksum64:
-            raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in IPC chunk at byte {offset} "
-                                                    f"({got:#x}, sender {checksum64:#x})")
-        return rows
-
-    def _from_shm(self, offset: int, n: int, checksum64: int):
-        """The chunk's pages out of the region (to the pool's device), checked against the sender's checksum."""
-        from tbjax.engine.kv_pages import chunk_checksums
-
-        rows = self.copier.from_shm(self.arena.seg, offset, n, self.dtype, self.page_shape, self.device)
-        got = chunk_checksums(rows, n, rows.shape[0])[0]
-        if got != checksum64:
-            raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in shared-memory chunk at byte {offset} "
-                                                    f"({got:#x}, sender {checksum64:#x})")
-        return rows
+    async def _finish_landing(self, res: _Reservation) -> None:
+        """All chunks are in: wait for the copies, checksum every chunk where it landed (one device program), compare
+        with the sender's, then one pool write."""
+        land = res.landing
+        try:
+            rows, got = await asyncio.to_thread(land.finish)
+        except Exception as e:  # noqa: BLE001
+            raise _Abort(grpc.StatusCode.INTERNAL, f"cannot land the pages: {type(e).__name__}: {e}") from None
+        for first, want in sorted(res.sums.items()):
+            if got.get(first) != want:
+                where = "shared-memory" if res.shm_chunks else "IPC"
+                raise _Abort(grpc.StatusCode.DATA_LOSS, f"checksum mismatch in {where} chunk at page {first} "
+                                                        f"({got.get(first, 0):#x}, sender {want:#x})")
+        parts = sorted(land.parts)
+        if sum(m for _, m in parts) == len(res.pages):
+            await self._write(res, 0, len(res.pages), rows, res.scales)
+        else:     # some chunks came in the gRPC stream (already written): write the landed ones only
+            for first, m in parts:
+                await self._write(res, first, m, rows[first:first + m],
+                                  None if res.scales is None else res.scales[first:first + m])
+        res.landing = None
 
     async def Release(self, req, context):
         res = self._res.get(req.reservation_id)
@@ -565,10 +592,11 @@ class KVSender:
     def __init__(self, channel: grpc.aio.Channel, *, codecs: Sequence[str] = ("raw",), chunk_pages: int = 16,
                  timeout_s: float = 30.0, metrics=None, stall_after_chunks: int | None = None,
                  stall_s: float = 3600.0, shm: bool = True, copier: str | kv_shm.HostCopier = "auto",
-                 ipc: bool = True, fast_chunk_bytes: int = 256 << 20):
-        """``chunk_pages``: pages per chunk in the gRPC stream. Through shared memory or IPC a chunk holds at least
-        ``fast_chunk_bytes`` (or ``chunk_pages`` pages if more): there chunking only pipelines the copies, and
-        each chunk has a fixed cost (~2.4 ms measured on the H200), so chunks are large."""
+                 ipc: bool = True, fast_chunk_bytes: int = 64 << 20, fast_min_chunk_bytes: int = 8 << 20,
+                 fast_chunks: int = 16):
+        """``chunk_pages``: pages per chunk in the gRPC stream. Through shared memory a transfer is cut into about
+        ``fast_chunks`` chunks of ``fast_min_chunk_bytes``..``fast_chunk_bytes`` (pipelining the two copies); through
+        CUDA IPC it is one chunk (see ``fast_chunk_pages``)."""
         self.stall_after_chunks, self.stall_s = stall_after_chunks, stall_s
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
@@ -577,6 +605,7 @@ class KVSender:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
         self.codecs, self.chunk_pages, self.timeout_s, self.metrics = list(codecs), chunk_pages, timeout_s, metrics
         self.shm, self._copier, self.ipc, self.fast_chunk_bytes = shm, copier, ipc, fast_chunk_bytes
+        self.fast_min_chunk_bytes, self.fast_chunks = fast_min_chunk_bytes, fast_chunks
         p = f"/{KV_SERVICE_NAME}/"
         self._announce = channel.unary_unary(p + "Announce", request_serializer=kvpb.AnnounceRequest.SerializeToString,
                                              response_deserializer=kvpb.AnnounceResponse.FromString)
@@ -616,38 +645,49 @@ class KVSender:
                                raw_nbytes=part.nbytes, payload=payload, crc32=zlib.crc32(payload),
                                last=first + self.chunk_pages >= n, **self._scales_fields(scales, first, part.shape[0]))
 
-    def fast_chunk_pages(self, pages) -> int:
-        """Pages per chunk through shared memory / IPC for pages of this shape."""
+    def fast_chunk_pages(self, pages, n: int | None = None, *, ipc: bool = False) -> int:
+        """Pages per chunk through shared memory (``ipc=False``) or the CUDA IPC buffer for ``n`` rows of ``pages``.
+
+        IPC: one chunk (the device-to-device copy runs at ~2 TB/s; a chunk only adds fixed costs). Shared memory:
+        about ``fast_chunks`` chunks, each ``fast_min_chunk_bytes``..``fast_chunk_bytes`` (at least one page), so the
+        receiver's host -> device copy of chunk i overlaps the sender's device -> host copy of chunk i + 1 and only
+        the last chunk's copy is not hidden. A power of two of pages (the checksum programs stay few), and at least
+        ``chunk_pages``."""
+        n = pages.shape[0] if n is None else int(n)
+        if ipc:
+            return _pow2_ceil(n)
         row_bytes = int(np.prod(pages.shape[1:])) * np.dtype(pages.dtype).itemsize
-        return max(self.chunk_pages, self.fast_chunk_bytes // max(row_bytes, 1))
+        want = min(self.fast_chunk_bytes, max(self.fast_min_chunk_bytes, n * row_bytes // max(self.fast_chunks, 1)))
+        return max(self.chunk_pages, _pow2_floor(max(1, want // max(row_bytes, 1))))
 
-    async def _shm_chunks(self, ann, pages, scales, n: int, seg: kv_shm.ShmMapping, sums: list[int]):
-        """Chunks through the granted region: copy the pages in (off the event loop), send the control message.
-        ``sums``: the chunks' checksums, computed where the pages are before anything was copied."""
-        c = self.fast_chunk_pages(pages)
+    async def _fast_chunks(self, ann, pages, scales, n: int, c: int, sums: list[int], start, in_ipc: bool):
+        """Chunks through a granted same-host region. All copies are queued first (``start(first, m, region offset)``
+        returns a waiter), then each chunk's control message leaves as soon as its copy is done."""
         row_bytes = int(np.prod(pages.shape[1:])) * pages.dtype.itemsize
+        region = ann.ipc_offset if in_ipc else ann.shm_offset
+        if not isinstance(pages, np.ndarray):
+            await asyncio.to_thread(pages.block_until_ready)
+        firsts = list(range(0, n, c))
+        waits = [start(first, min(c, n - first), region + first * row_bytes) for first in firsts]
+        for j, first in enumerate(firsts):
+            if self.stall_after_chunks is not None and j == self.stall_after_chunks:
+                await asyncio.sleep(self.stall_s)
+            m = min(c, n - first)
+            await asyncio.to_thread(waits[j])
+            yield kvpb.KVChunk(reservation_id=ann.reservation_id, first_page=first, num_pages=m, codec=ann.codec,
+                               raw_nbytes=m * row_bytes, in_shm=not in_ipc, in_ipc=in_ipc, checksum64=sums[j],
+                               last=first + c >= n, **self._scales_fields(scales, first, m))
+
+    def _shm_chunks(self, ann, pages, scales, n: int, seg: kv_shm.ShmMapping, sums: list[int]):
+        """Chunks through the granted shared-memory region (copier: device -> pinned segment, DMA)."""
         copier = self.copier
-        for j, first in enumerate(range(0, n, c)):
-            if self.stall_after_chunks is not None and j == self.stall_after_chunks:
-                await asyncio.sleep(self.stall_s)
-            m = min(c, n - first)
-            await asyncio.to_thread(copier.to_shm, pages, first, m, seg, ann.shm_offset + first * row_bytes)
-            yield kvpb.KVChunk(reservation_id=ann.reservation_id, first_page=first, num_pages=m, codec=ann.codec,
-                               raw_nbytes=m * row_bytes, in_shm=True, checksum64=sums[j], last=first + c >= n,
-                               **self._scales_fields(scales, first, m))
+        return self._fast_chunks(ann, pages, scales, n, self.fast_chunk_pages(pages, n), sums,
+                                 lambda first, m, off: copier.start_to_shm(pages, first, m, seg, off), False)
 
-    async def _ipc_chunks(self, ann, pages, scales, n: int, dst_ptr: int, sums: list[int]):
-        """Chunks through the granted device region: copy device to device, then send the control message."""
-        c = self.fast_chunk_pages(pages)
-        row_bytes = int(np.prod(pages.shape[1:])) * pages.dtype.itemsize
-        for j, first in enumerate(range(0, n, c)):
-            if self.stall_after_chunks is not None and j == self.stall_after_chunks:
-                await asyncio.sleep(self.stall_s)
-            m = min(c, n - first)
-            kv_shm.copy_to_ipc(pages, first, m, dst_ptr + ann.ipc_offset + first * row_bytes)
-            yield kvpb.KVChunk(reservation_id=ann.reservation_id, first_page=first, num_pages=m, codec=ann.codec,
-                               raw_nbytes=m * row_bytes, in_ipc=True, checksum64=sums[j], last=first + c >= n,
-                               **self._scales_fields(scales, first, m))
+    def _ipc_chunks(self, ann, pages, scales, n: int, dst_ptr: int, sums: list[int]):
+        """Chunks through the granted device region of the receiver's IPC buffer (device to device)."""
+        return self._fast_chunks(ann, pages, scales, n, self.fast_chunk_pages(pages, n, ipc=True), sums,
+                                 lambda first, m, off: kv_shm.start_copy_to_ipc(pages, first, m, dst_ptr + off), True)
 
     async def send(self, request_id: str, pages, num_tokens: int = 0, *, num_pages: int | None = None,
                    scales=None) -> SendStats:
@@ -662,11 +702,12 @@ class KVSender:
             scales = host_pages(scales, n)
         dtype_name = np.dtype(pages.dtype).name
         t0 = time.perf_counter()
-        sums = None
+        pending = {}
         ipc = self.ipc and self.shm and kv_shm.ipc_capable(pages)
-        if self.shm:    # before the announce: no reservation waits on this (or on its compile)
-            from tbjax.engine.kv_pages import chunk_checksums
-            sums = await asyncio.to_thread(chunk_checksums, pages, n, self.fast_chunk_pages(pages))
+        c_shm = self.fast_chunk_pages(pages, n)
+        c_ipc = self.fast_chunk_pages(pages, n, ipc=True)
+        if self.shm:    # queued before the announce (no reservation waits on it, or on its compile), read after it
+            pending = await asyncio.to_thread(_start_checksums, pages, n, {c_shm, c_ipc} if ipc else {c_shm})
         try:
             ann = await self._announce(kvpb.AnnounceRequest(
                 request_id=request_id, num_pages=n, num_tokens=num_tokens,
@@ -679,14 +720,18 @@ class KVSender:
             raise TransferError(e.code(), f"announce of {request_id!r} failed: {e.details()}") from None
         t1 = time.perf_counter()
         chunks = None
-        if ann.ipc_handle:
+        if ann.ipc_handle and c_ipc in pending:
             try:
-                chunks = self._ipc_chunks(ann, pages, scales, n, kv_shm.open_ipc(ann.ipc_handle), sums)
+                ptr = kv_shm.open_ipc(ann.ipc_handle)
+                sums = await asyncio.to_thread(_read_checksums, pending[c_ipc], n, c_ipc)
+                chunks = self._ipc_chunks(ann, pages, scales, n, ptr, sums)
             except Exception as e:  # noqa: BLE001 - cannot open it: shared memory or the byte stream
                 log.warning("CUDA IPC buffer not usable (%s: %s): trying shared memory", type(e).__name__, e)
-        if chunks is None and ann.shm_name:
+        if chunks is None and ann.shm_name and c_shm in pending:
             try:
-                chunks = self._shm_chunks(ann, pages, scales, n, _mapping(ann.shm_name), sums)
+                seg = _mapping(ann.shm_name)
+                sums = await asyncio.to_thread(_read_checksums, pending[c_shm], n, c_shm)
+                chunks = self._shm_chunks(ann, pages, scales, n, seg, sums)
             except Exception as e:  # noqa: BLE001 - cannot map it: the byte stream still works
                 log.warning("shared-memory region %s not usable (%s): sending over gRPC", ann.shm_name, e)
         if chunks is None:
@@ -708,6 +753,28 @@ class KVSender:
         return SendStats(ann.reservation_id, result.path if result.shm else ann.codec, result.pages,
                          result.raw_bytes, result.wire_bytes, t1 - t0, time.perf_counter() - t1, shm=result.shm,
                          path=result.path or "grpc")
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _start_checksums(pages, n: int, chunk_sizes) -> dict:
+    """Queue the checksum programs of ``pages``' first ``n`` rows for each chunk size (not waited for)."""
+    from tbjax.engine.kv_pages import _chunk_checksums
+
+    return {c: _chunk_checksums(pages, np.int32(n), chunk_pages=int(c)) for c in chunk_sizes}
+
+
+def _read_checksums(ab, n: int, c: int) -> list[int]:
+    import jax
+
+    ab = np.asarray(jax.device_get(ab)).astype(np.uint64)
+    return [(int(b) << 32) | int(a) for a, b in ab[:-(-n // c)]]
 
 
 _COPIER_CACHE: dict[str, kv_shm.HostCopier] = {}

@@ -243,11 +243,12 @@ def test_shm_roundtrip_bit_exact_only_control_on_the_wire(n_pages, chunk_pages):
     assert name not in _shm_files()       # the receiver unlinked its segment (others' processes may own others)
 
 
-def test_shm_chunks_hold_at_least_fast_chunk_bytes():
+def test_shm_chunk_sizes():
     pages = random_pages(20, np.random.default_rng())           # 384 bytes a page
 
     async def main():
-        async with receiver_server(shm_bytes=1 << 20) as (addr, pool, rx, ev, _), grpc.aio.insecure_channel(addr) as ch:
+        async with receiver_server(num_pages=64, shm_bytes=1 << 20) as (addr, pool, rx, ev, _), \
+                grpc.aio.insecure_channel(addr) as ch:
             sent = []
 
             class Recording(KVSender):
@@ -255,10 +256,14 @@ def test_shm_chunks_hold_at_least_fast_chunk_bytes():
                     async for c in super()._shm_chunks(*a):
                         sent.append(c.num_pages)
                         yield c
-            st = await Recording(ch, chunk_pages=2, fast_chunk_bytes=7 * 384).send("big", pages)
-            assert st.shm and sent == [7, 7, 6]                 # not 10 chunks of 2
-            (_, ids, _), = ev["ready"]
-            assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
+            st = await Recording(ch, chunk_pages=2, fast_chunk_bytes=8 * 384).send("big", pages)
+            assert st.shm and sent == [8, 8, 4]                 # capped by fast_chunk_bytes, not 10 chunks of 2
+            sent.clear()       # about fast_chunks chunks (20 / 4 = 5 pages -> a power of two: 4)
+            st = await Recording(ch, chunk_pages=1, fast_chunk_bytes=1 << 20, fast_min_chunk_bytes=0,
+                                 fast_chunks=4).send("pipelined", pages)
+            assert st.shm and sent == [4] * 5
+            for (_, ids, _) in ev["ready"]:
+                assert np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
             st = await KVSender(ch, chunk_pages=2, shm=False, fast_chunk_bytes=7 * 384).send("grpc", pages[:10])
             assert not st.shm                                   # the byte stream keeps chunk_pages
     asyncio.run(main())
@@ -441,3 +446,29 @@ def test_sender_unmaps_segments_of_receivers_that_went_away():
         return names
     first, second = asyncio.run(main())
     assert first != second and second in kv_transfer._MAPPINGS and first not in kv_transfer._MAPPINGS
+
+
+def test_landing_program_views_bytes_and_checksums_every_chunk():
+    """The GPU landing's one program (bytes -> pages + per-chunk checksums) against the numpy reference checksum;
+    and a host landing with chunks of unequal sizes checks each chunk by itself."""
+    import jax
+
+    from tbjax.engine.kv_pages import checksum_reference
+    pages = random_pages(7, np.random.default_rng())
+    u8 = np.zeros(8 * pages[0].nbytes, np.uint8)
+    u8[:pages.nbytes] = pages.view(np.uint8).reshape(-1)
+    rows, ab = kv_shm._land_fn()(jax.numpy.asarray(u8), np.int32(7), B=8, dtype=DTYPE, row_shape=PAGE_SHAPE,
+                                 chunk_pages=4)
+    assert rows.shape == (8, *PAGE_SHAPE) and np.array_equal(np.asarray(rows)[:7].view(np.uint16), pages.view(np.uint16))
+    assert kv_shm._sums_by_first(ab, 7, 4) == {0: checksum_reference(pages[:4]), 4: checksum_reference(pages[4:])}
+    seg = kv_shm.ShmMapping(f"tbjax-kv-test-{os.getpid()}", pages.nbytes, create=True)
+    try:
+        seg.view(0, pages.nbytes)[:] = pages.view(np.uint8).reshape(-1)
+        land = kv_shm.Landing(7, pages.dtype, PAGE_SHAPE, None, kv_shm.NumpyCopier())
+        for first, m in [(5, 2), (0, 3), (3, 2)]:           # out of order, unequal
+            land.put_shm(seg, first * pages[0].nbytes, first, m)()
+        rows, sums = land.finish()
+        assert np.array_equal(np.asarray(rows).view(np.uint16), pages.view(np.uint16))
+        assert sums == {f: checksum_reference(pages[f:f + m]) for f, m in [(0, 3), (3, 2), (5, 2)]}
+    finally:
+        seg.close()

@@ -134,7 +134,6 @@ def jax_worker(args) -> dict:
     def emit():
         print(MARK + json.dumps(res, default=str), flush=True)
 
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -224,7 +223,7 @@ def jax_worker(args) -> dict:
     tok = synthetic_tokenizer(spec.vocab_size)
     cfg = EngineConfig(page_size=G, num_pages=num_pages, kv_dtype=args.dtype, max_num_seqs=max_b,
                        max_num_batched_tokens=max_tokens, max_model_len=max_ctx, attn_impl=args.attn_impl,
-                       matmul_impl=args.matmul_impl)
+                       matmul_impl=args.matmul_impl, layer_buffers=args.layer_buffers)
     t0 = time.perf_counter()
     engine = Engine(spec, params, tok, cfg)
     runner = engine.runner
@@ -249,7 +248,6 @@ def jax_worker(args) -> dict:
     emit()
 
     rng = np.random.default_rng(0)
-    step_kw = dict(spec=spec, decode_only=True, want_logprobs=False)
 
     def make_inputs(B, ctx):
         P = ctx // G
@@ -285,17 +283,11 @@ def jax_worker(args) -> dict:
             r.run(inp)
             ts.append(time.perf_counter() - t)
         v["run_ms"] = 1e3 * _median(ts)
-        arrays = jax.device_put({k: val for k, val in dataclasses.asdict(inp).items() if k != "decode_only"})
-        kw = dict(step_kw, attn_impl=r.attn_impl, matmul_impl=r.matmul_impl)
-
-        exe = r._compiled.get(r._key(inp, False))      # precompiled bucket (ModelRunner.precompile), if any
+        ints, floats, layout = inp.pack()
+        packed = (*jax.device_put((ints, floats)), layout)      # inputs already on device: the step alone
 
         def dstep():
-            if exe is not None:
-                o, r.caches = exe(r.params, r.caches, arrays)
-            else:
-                o, r.caches = r._fn(r.params, r.caches, arrays, **kw)
-            return o
+            return r.launch(inp, packed)
         jax.block_until_ready(dstep())
         ts = []
         for _ in range(args.steps):
@@ -335,7 +327,7 @@ def jax_worker(args) -> dict:
 
     def other_runner(impl):
         """A runner with another matmul impl over the same KV pools (moved, not copied)."""
-        o = ModelRunner(spec, params, runner.caches, page_size=G, max_num_seqs=max_b,
+        o = ModelRunner(spec, runner.params, runner.caches, page_size=G, max_num_seqs=max_b,
                         max_num_batched_tokens=max_tokens, max_pages_per_seq=max_ctx // G,
                         attn_impl=args.attn_impl, matmul_impl=impl)
         runner.caches = None
@@ -680,6 +672,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=0, help="override the config's layer count (0 = as configured)")
     ap.add_argument("--dump-hlo", default="", help="write the first shape's optimized decode-step HLO here")
+    ap.add_argument("--layer-buffers", default="stacked", help="stacked | split | auto (EngineConfig.layer_buffers)")
     ap.add_argument("--precompile-workers", type=int, default=0,
                     help="compile every grid bucket up front with this many concurrent XLA compiles (0 = lazily)")
     ap.add_argument("--shapes", default="32:1024,64:8192,1:1024,8:1024,64:1024,1:8192,8:8192,32:8192",
@@ -721,7 +714,8 @@ def main(argv=None) -> int:
     t_start = time.time()
     res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": _git_commit(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup,
-           "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", "")}
+           "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "layer_buffers": args.layer_buffers}
     outs = [args.out] if args.out else []
     if os.environ.get("OUT"):
         outs.append(os.path.join(os.environ["OUT"], "bench_engine_decode.json"))
@@ -750,7 +744,7 @@ def main(argv=None) -> int:
                   "--attn-impl", args.attn_impl, "--matmul-impl", args.matmul_impl,
                   "--compare-matmul", args.compare_matmul, "--profile", args.profile,
                   "--profile-steps", str(args.profile_steps), "--dump-hlo", args.dump_hlo,
-                  "--precompile-workers", str(args.precompile_workers)]
+                  "--precompile-workers", str(args.precompile_workers), "--layer-buffers", args.layer_buffers]
     res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
     save()
     if run_hf:

@@ -54,7 +54,7 @@ def _engine(model, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(page_size=4), dict(page_size=16, max_num_batched_tokens=64, max_prefill_chunk=None),
-                                dict(page_size=8, enable_prefix_caching=False)])
+                                dict(page_size=8, enable_prefix_caching=False, layer_buffers="split")])
 def test_batch_invariance(model, expected, kw):
     """All prompts together (continuous batching, chunked prefill, shared prefixes) = each prompt alone."""
     eng = _engine(model, **kw)

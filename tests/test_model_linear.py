@@ -15,6 +15,7 @@ from engine_helpers import byte_tokenizer, tiny_spec
 from pallas_kernels.matmul import gpu as mm_gpu
 from tbjax.engine import Engine, EngineConfig
 from tbjax.model import forward_hidden, init_params, lm_logits
+from tbjax.model.params import split_layer_buffers
 from tbjax.model import layers as ly
 from tbjax.model.linear import kernel_impl_for
 from tbjax.sampling import SamplingParams
@@ -76,6 +77,13 @@ def test_forward_through_the_kernel_matches_float32(kernel_calls):
     assert err_ker < 3e-2, err_ker
     assert err_ker < 2 * err_xla + 1e-3, (err_ker, err_xla)
     assert np.abs(ref - ref16w).max() / scale < 5e-2      # sanity: the bf16 rounding of weights is small
+    # per-layer weight buffers (split_layer_buffers): same launches, each reading its layer's own buffer
+    n1 = len(kernel_calls)
+    ker_split = run(split_layer_buffers(p16), "gpu")
+    split_calls = [c for c in kernel_calls[n1:] if c[1] is not None]
+    assert len(split_calls) == spec.n_layers * 4 and all(c[0][0][0] == 1 and c[1] == 0 for c in split_calls)
+    assert np.abs(ker_split - ref16w).max() / scale < 3e-2
+    assert np.abs(run(split_layer_buffers(p16), None) - ref16w).max() / scale < 2 * err_xla + 1e-3
 
 
 def test_engine_decode_steps_use_the_kernel(kernel_calls):

@@ -44,6 +44,7 @@ class EngineConfig:
     preemption: str = "recompute"
     attn_impl: str = "auto"
     matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU at batch <= 4) | "xla" | "kernel"
+    layer_buffers: str = "stacked"        # "stacked" | "split" (per-layer weight buffers: faster compiles) | "auto"
 
 
 @dataclasses.dataclass
@@ -132,7 +133,7 @@ class Engine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
-                                  matmul_impl=config.matmul_impl)
+                                  matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers)
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)

@@ -18,11 +18,16 @@ import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
 from tbjax.model.linear import kernel_impl_for
+from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
 from tbjax.sampling import sample
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 TOP_LOGPROBS = 20
+# How a layer group's weights are held: "stacked" [L, ...] arrays (sliced per layer inside the program) or "split"
+# into per-layer buffers (tbjax/model/params.py split_layer_buffers: identical per-layer fusions, compiled once);
+# "auto" = split on GPU.
+LAYER_BUFFERS = ("auto", "stacked", "split")
 
 
 def bucket(n: int, lo: int, hi: int) -> int:
@@ -51,9 +56,38 @@ class StepInputs:
     sample_pos_S: np.ndarray
     decode_only: bool
 
+    def pack(self) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """All int32 fields in one array, all float32 fields in another, and the (static) layout to unpack them:
+        two host->device transfers per step instead of thirteen."""
+        ints = [self.tokens_T, self.positions_T, self.slots_T, self.block_tables_SP, self.kv_lens_S,
+                self.cu_q_lens_S1, self.sample_rows_S, self.top_k_S, self.seed_S.view(np.int32), self.sample_pos_S]
+        floats = [self.temperature_S, self.top_p_S, self.min_p_S]
+        layout = tuple(a.shape for a in ints + floats)
+        return (np.concatenate([np.asarray(a, np.int32).ravel() for a in ints]),
+                np.concatenate([np.asarray(a, np.float32).ravel() for a in floats]), layout)
 
-def _step(params, caches, inp, *, spec: ModelSpec, decode_only: bool, want_logprobs: bool, attn_impl: str,
-          matmul_impl: str = "auto"):
+
+_INT_FIELDS = ("tokens_T", "positions_T", "slots_T", "block_tables_SP", "kv_lens_S", "cu_q_lens_S1", "sample_rows_S",
+               "top_k_S", "seed_S", "sample_pos_S")
+_F32_FIELDS = ("temperature_S", "top_p_S", "min_p_S")
+
+
+def _unpack(ints, floats, layout) -> dict:
+    out, shapes = {}, iter(layout)
+    for arr, names in ((ints, _INT_FIELDS), (floats, _F32_FIELDS)):
+        o = 0
+        for name in names:
+            shp = next(shapes)
+            n = int(np.prod(shp))
+            out[name] = arr[o:o + n].reshape(shp)
+            o += n
+    out["seed_S"] = jax.lax.bitcast_convert_type(out["seed_S"], jnp.uint32)
+    return out
+
+
+def _step(params, caches, ints, floats, *, layout, spec: ModelSpec, decode_only: bool, want_logprobs: bool,
+          attn_impl: str, matmul_impl: str = "auto"):
+    inp = _unpack(ints, floats, layout)
     scale = rope_attention_scale(spec)
     mm = kernel_impl_for(matmul_impl, decode_only, inp["tokens_T"].shape[0])
 
@@ -86,7 +120,14 @@ class ModelRunner:
 
     def __init__(self, spec: ModelSpec, params, caches, *, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
-                 matmul_impl: str = "auto"):
+                 matmul_impl: str = "auto", layer_buffers: str = "stacked"):
+        if layer_buffers not in LAYER_BUFFERS:
+            raise ValueError(f"layer_buffers must be one of {LAYER_BUFFERS}, got {layer_buffers!r}")
+        if layer_buffers == "auto":
+            layer_buffers = "split" if jax.default_backend() == "gpu" else "stacked"
+        if layer_buffers == "split":
+            params = split_layer_buffers(params)
+        self.layer_buffers = layer_buffers
         self.spec, self.params, self.caches = spec, params, caches
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -98,8 +139,8 @@ class ModelRunner:
         # XLA:CPU's bf16 single-row dot against a transposed matrix (the tied lm_head) is ~14x slower than two
         # rows (measured: 174 ms vs 12 ms for SmolLM2), so CPU batches hold at least two sequences.
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
-        self._fn = jax.jit(_step, static_argnames=("spec", "decode_only", "want_logprobs", "attn_impl",
-                                                          "matmul_impl"),
+        self._fn = jax.jit(_step, static_argnames=("layout", "spec", "decode_only", "want_logprobs", "attn_impl",
+                                                   "matmul_impl"),
                            donate_argnums=(1,))
         self._compiled: dict = {}          # bucket key -> executable compiled ahead of use (precompile)
 
@@ -149,15 +190,11 @@ class ModelRunner:
                           decode_only)
 
     @staticmethod
-    def _arrays(inp: StepInputs) -> dict[str, np.ndarray]:
-        return {k: v for k, v in dataclasses.asdict(inp).items() if k != "decode_only"}
+    def _key(inp: StepInputs, want_logprobs: bool, layout=None):
+        return inp.decode_only, want_logprobs, layout if layout is not None else inp.pack()[2]
 
-    @staticmethod
-    def _key(inp: StepInputs, want_logprobs: bool):
-        return inp.decode_only, want_logprobs, tuple((k, v.shape) for k, v in ModelRunner._arrays(inp).items())
-
-    def _static(self, inp: StepInputs, want_logprobs: bool) -> dict:
-        return dict(spec=self.spec, decode_only=inp.decode_only, want_logprobs=want_logprobs,
+    def _static(self, inp: StepInputs, want_logprobs: bool, layout) -> dict:
+        return dict(layout=layout, spec=self.spec, decode_only=inp.decode_only, want_logprobs=want_logprobs,
                     attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
 
     def precompile(self, inputs: list[StepInputs], want_logprobs: bool = False, workers: int = 8) -> float:
@@ -171,20 +208,27 @@ class ModelRunner:
         t = time.perf_counter()
         todo = {}
         for inp in inputs:
-            key = self._key(inp, want_logprobs)
+            ints, floats, layout = inp.pack()
+            key = self._key(inp, want_logprobs, layout)
             if key not in self._compiled and key not in todo:
-                todo[key] = self._fn.lower(self.params, self.caches, self._arrays(inp),
-                                           **self._static(inp, want_logprobs))
+                todo[key] = self._fn.lower(self.params, self.caches, ints, floats,
+                                           **self._static(inp, want_logprobs, layout))
         with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
             for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
                 self._compiled[key] = exe
         return time.perf_counter() - t
 
-    def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
-        arrays = self._arrays(inp)
-        exe = self._compiled.get(self._key(inp, want_logprobs))
+    def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False) -> dict:
+        """Start the step on device (no wait); `packed` = inp.pack()'s arrays, host or already on device.
+        Returns the step's outputs as device arrays; the KV pools are updated in place."""
+        ints, floats, layout = inp.pack() if packed is None else packed
+        exe = self._compiled.get(self._key(inp, want_logprobs, layout))
         if exe is not None:
-            out, self.caches = exe(self.params, self.caches, arrays)
+            out, self.caches = exe(self.params, self.caches, ints, floats)
         else:
-            out, self.caches = self._fn(self.params, self.caches, arrays, **self._static(inp, want_logprobs))
-        return jax.device_get(out)
+            out, self.caches = self._fn(self.params, self.caches, ints, floats,
+                                        **self._static(inp, want_logprobs, layout))
+        return out
+
+    def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
+        return jax.device_get(self.launch(inp, want_logprobs=want_logprobs))

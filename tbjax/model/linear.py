@@ -44,6 +44,14 @@ class LayerParams(Mapping):
     def __getitem__(self, name):
         return self.stacks[name][self.layer]
 
+    def stacked(self, name):
+        """(a stacked [L, ...] array, the index of this layer in it) for the kernel, which reads a layer in place:
+        the group's stack, or this layer's own buffer seen as a stack of one (per-layer buffers)."""
+        w = self.stacks[name]
+        if isinstance(w, (list, tuple)):
+            return w[self.layer][None], 0
+        return w, self.layer
+
     def __iter__(self):
         return iter(self.stacks)
 
@@ -54,7 +62,7 @@ class LayerParams(Mapping):
 def layer_params(stacks: Mapping, layer: int, kernel_impl: str | None):
     """The per-layer view the layer kinds receive: a LayerParams when a kernel impl is given, else a dict."""
     if kernel_impl is None:
-        return jax.tree.map(lambda a: a[layer], dict(stacks))
+        return {k: v[layer] for k, v in stacks.items()}     # a static slice of a stack, or a per-layer buffer
     return LayerParams(stacks, layer, kernel_impl)
 
 
@@ -64,7 +72,7 @@ def _kernel_ok(p, x_TD, *names) -> bool:
     Stacks of more than 3 dims ([L, D, 2, F] gate/up) are seen as [L, D, prod(rest)]."""
     if not (isinstance(p, LayerParams) and x_TD.shape[0] <= KERNEL_MAX_T and x_TD.dtype == jnp.bfloat16):
         return False
-    ws = [p.stacks[n] for n in names]
+    ws = [p.stacked(n)[0] for n in names]
     return kernel_takes(x_TD, *[jax.ShapeDtypeStruct((*w.shape[:2], int(np.prod(w.shape[2:]))), w.dtype)
                                 if w.ndim > 3 else w for w in ws])
 
@@ -83,16 +91,17 @@ def linear(p, name: str, x_TD, out_dtype=None):
     """x @ p[name] with float32 accumulation, cast to out_dtype (default: x's dtype)."""
     out_dtype = out_dtype or x_TD.dtype
     if _kernel_ok(p, x_TD, name):
-        return decode_matmul(x_TD, p.stacks[name], layer=p.layer, impl=p.impl, out_dtype=out_dtype)
+        w_LDF, layer = p.stacked(name)
+        return decode_matmul(x_TD, w_LDF, layer=layer, impl=p.impl, out_dtype=out_dtype)
     return jnp.dot(x_TD, p[name], preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down"):
     """silu(x @ gate) * (x @ up) @ down, gate and up read as one [D, 2F] matrix (one GEMM / one kernel launch)."""
     if _kernel_ok(p, x_TD, gate_up):
-        w_LD2F = p.stacks[gate_up]
+        w_LD2F, layer = p.stacked(gate_up)
         L, D, _, F = w_LD2F.shape
-        gu = decode_matmul(x_TD, w_LD2F.reshape(L, D, 2 * F), layer=p.layer, impl=p.impl, out_dtype=jnp.float32)
+        gu = decode_matmul(x_TD, w_LD2F.reshape(L, D, 2 * F), layer=layer, impl=p.impl, out_dtype=jnp.float32)
     else:
         w_D2F = p[gate_up]
         D, _, F = w_D2F.shape

@@ -51,3 +51,14 @@ def init_params(spec: ModelSpec, key, dtype=None, std: float = 0.02):
         else:
             out.append((jax.random.normal(k, s.shape, jnp.float32) * std).astype(s.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def split_layer_buffers(params):
+    """The same tree with each group's stacked [L, ...] parameters as a list of L per-layer arrays (copies).
+
+    Why: XLA slices layer j out of a stacked weight inside the GEMM fusion that reads it, so the L layers' GEMMs are
+    L distinct fusions, each autotuned and compiled (a Llama-8B decode program takes ~40 s to compile on the H200).
+    Per-layer buffers make the layers' fusions identical, so XLA compiles each once. Costs a copy of the group
+    weights while the stacked originals are still referenced."""
+    groups = {g: {k: [v[i] for i in range(v.shape[0])] for k, v in gp.items()} for g, gp in params["groups"].items()}
+    return {**params, "groups": groups}

@@ -63,13 +63,31 @@ class StepInputs:
                 self.cu_q_lens_S1, self.sample_rows_S, self.top_k_S, self.seed_S.view(np.int32), self.sample_pos_S]
         floats = [self.temperature_S, self.top_p_S, self.min_p_S]
         layout = tuple(a.shape for a in ints + floats)
-        return (np.concatenate([np.asarray(a, np.int32).ravel() for a in ints]),
-                np.concatenate([np.asarray(a, np.float32).ravel() for a in floats]), layout)
+        return _concat_aligned(ints, np.int32), _concat_aligned(floats, np.float32), layout
 
 
 _INT_FIELDS = ("tokens_T", "positions_T", "slots_T", "block_tables_SP", "kv_lens_S", "cu_q_lens_S1", "sample_rows_S",
                "top_k_S", "seed_S", "sample_pos_S")
 _F32_FIELDS = ("temperature_S", "top_p_S", "min_p_S")
+
+
+# Each field starts at a multiple of 64 elements (256 bytes): XLA hands a slice of the packed argument to a custom
+# call in place, and the Mosaic GPU kernels refuse operands that are not 256-byte aligned (H200: "Input buffer 2 is
+# not 256-byte aligned" with unpadded packing).
+_ALIGN = 64
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _concat_aligned(arrays, dtype) -> np.ndarray:
+    out = np.zeros(sum(_padded(a.size) for a in arrays), dtype)
+    o = 0
+    for a in arrays:
+        out[o:o + a.size] = np.asarray(a).ravel()
+        o += _padded(a.size)
+    return out
 
 
 def _unpack(ints, floats, layout) -> dict:
@@ -80,7 +98,7 @@ def _unpack(ints, floats, layout) -> dict:
             shp = next(shapes)
             n = int(np.prod(shp))
             out[name] = arr[o:o + n].reshape(shp)
-            o += n
+            o += _padded(n)
     out["seed_S"] = jax.lax.bitcast_convert_type(out["seed_S"], jnp.uint32)
     return out
 

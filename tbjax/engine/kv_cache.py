@@ -4,9 +4,9 @@ Layout per layer: pages [P, G, 2K, H] with K and V interleaved on the kv-head ax
 2k+1 = V), so one copy of a page brings both; fp8 pools (e4m3fn / e5m2) carry float32 scales [P, 2K]
 (per page, per kv head, per K/V), raised and requantized by the write kernel as new tokens arrive.
 Page ids are per dp rank; page 0 of each rank is the null page that padding block-table entries point to.
-MLA models cache their latent form: one "kv head" of kv_lora_rank + qk_rope_head_dim dims per token (the compressed
-KV and the shared rope key), which the absorbed attention reads as both key and value (stored in both the K and the V
-slot, so the pool layout and kernels stay those of GQA; a K-only layout would halve it).
+MLA models cache their latent form (kv_lora_rank + qk_rope_head_dim dims per token: the compressed KV and the shared
+rope key) once per token, split over the K and V slots of a one-head pool (tbjax/engine/mla_paged.py), so the pool
+layout, allocator, fp8 scales and transfers stay those of GQA.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tbjax.engine.mla_paged import latent_dims, latent_heads
 from tbjax.spec import ModelSpec
 
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -46,9 +47,10 @@ class KVCacheConfig:
 
 
 def cache_heads(spec: ModelSpec) -> tuple[int, int]:
-    """(kv heads K, dims H) of a layer's cache: GQA's kv heads, or MLA's one latent head of rank + rope dims."""
+    """(kv heads K, dims H) of a layer's cache: GQA's kv heads, or for MLA one head of half the latent's dims (the
+    latent's halves fill the K and the V slot)."""
     if spec.mla is not None:
-        return 1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        return latent_heads(latent_dims(spec))
     return spec.n_kv_heads, spec.head_dim
 
 

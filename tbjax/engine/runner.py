@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
+from tbjax.engine.mla_paged import latent_attention, write_latent
 from tbjax.model.linear import kernel_impl_for
 from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
@@ -111,6 +112,11 @@ def _step(params, caches, ints, floats, *, layout, spec: ModelSpec, decode_only:
 
     def attend(layer, q, k, v, cache):
         pages, scales = cache
+        if spec.mla is not None:       # latent (absorbed) MLA: k == v == the latent, stored once (mla_paged.py)
+            pages, scales = write_latent(pages, scales, k[:, 0, :], inp["slots_T"])
+            o = latent_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"],
+                                 scale=scale, kv_scales_PK=scales)
+            return o, (pages, scales)
         pages, scales = write_kv(pages, scales, k, v, inp["slots_T"])
         window = spec.layer_window(layer)
         if decode_only:

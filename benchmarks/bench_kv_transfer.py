@@ -20,8 +20,8 @@ compared with the sender's) and the pool write, up to the acknowledgement. Varia
 - ceilings, on the largest transfer's bytes: ``jax.device_put`` to / from ``pinned_host``, cupy memcpy between the
   device and a registered segment (each way, and both ways at once), a device->host copy here while a second process
   copies host->device, a device-to-device copy (the IPC path's ceiling), host memcpy.
-After every transfer the decode side also checksums what landed in its pool, off the timed path, and the result
-must equal the sender's (``verified``). Prints a table and writes JSON.
+After every transfer the decode side also checksums what landed in its pool, off the timed path (the pages return to
+the pool only after that), and the result must equal the sender's (``verified``). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -43,7 +44,8 @@ if ROOT not in sys.path:
 
 PAGE_SHAPE = (30, 16, 6, 64)      # SmolLM2-135M: 30 layers x [page 16, 2 x 3 kv heads, head 64]
 LAYOUTS = {"smollm2-135m": PAGE_SHAPE,
-           "llama3-8b": (32, 16, 16, 128)}     # Llama-3.1-8B: 32 layers x [16, 2 x 8 kv heads, 128] bf16
+           "llama3-8b": (32, 16, 16, 128),     # Llama-3.1-8B: 32 layers x [16, 2 x 8 kv heads, 128] bf16
+           "tiny": (1, 16, 2, 8)}              # 512 bytes a page: the transfer's fixed costs alone
 GRPC_OPTS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 
 
@@ -59,12 +61,14 @@ class DevicePagePool:
         self.data = jnp.zeros((num_pages, *page_shape), dtype)
         self._free = list(range(num_pages - 1, 0, -1))      # page 0: the null page padding rows land on
         self._set = jax.jit(lambda d, ids, x: d.at[ids].set(x), donate_argnums=(0,))
+        self._lock = threading.Lock()
 
     def reserve(self, n, request_id=""):
         from serving.kv_transfer import OutOfPages
-        if n > len(self._free):
-            raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
+            return [self._free.pop() for _ in range(n)]
 
     def write(self, page_ids, pages, scales=None):
         import numpy as np
@@ -74,7 +78,8 @@ class DevicePagePool:
         self.data = self._set(self.data, ids, pages)
 
     def free(self, page_ids):
-        self._free.extend(page_ids)
+        with self._lock:
+            self._free.extend(page_ids)
 
     def rows(self, page_ids):
         """The pages as they are now (a gather queued on the device: later writes do not change it)."""
@@ -84,7 +89,6 @@ class DevicePagePool:
 
 def receiver_main(a):
     import queue
-    import threading
 
     import grpc
 
@@ -94,21 +98,25 @@ def receiver_main(a):
 
     register_codec(SplitZipCodec())
     page_shape = tuple(int(x) for x in a.page_shape.split(","))
-    pool = DevicePagePool(a.pages + 1, page_shape, "bfloat16")
+    pool = DevicePagePool(2 * a.pages + 1, page_shape, "bfloat16")
     todo: queue.Queue = queue.Queue()
 
-    def on_ready(rid, ids, n):     # the check of what landed runs off the timed path (a thread, in order)
-        todo.put((rid, pool.rows(ids), len(ids)))
-        pool.free(ids)     # the benchmark reuses the pool
+    holder = {}
+
+    def on_ready(rid, ids, n):
+        # the check of what landed runs off the timed path (a thread, in order); the pages go back to the pool only
+        # after it, so no later transfer can overwrite them before they are read (the pool has room for two)
+        todo.put((rid, pool.rows(ids), len(ids), ids, holder["rx"].timings.get(rid)))
 
     def verifier():
         while True:
             item = todo.get()
             if item is None:
                 return
-            rid, rows, n = item
+            rid, rows, n, ids, marks = item
             s = chunk_checksums(rows, n, n)[0]
-            log.write(json.dumps({"id": rid, "checksum": s}) + "\n")
+            pool.free(ids)
+            log.write(json.dumps({"id": rid, "checksum": s, "receiver_marks_s": marks}) + "\n")
             log.flush()
     checker = threading.Thread(target=verifier, daemon=True)
     checker.start()
@@ -120,6 +128,7 @@ def receiver_main(a):
         rx = KVReceiver(pool, page_dtype="bfloat16", page_shape=page_shape, codecs=list(CODECS), timeout_s=120,
                         on_ready=on_ready, shm_bytes=nb, copier=a.copier, device=jax.devices()[0],
                         ipc_bytes=nb if a.copier == "cupy" else 0)
+        holder["rx"] = rx
         server = grpc.aio.server(options=GRPC_OPTS)
         server.add_generic_rpc_handlers((kv_service_handler(rx),))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -276,16 +285,34 @@ def start_receiver(copier, log, page_shape, pages):
     return p, line.split()[1], line.strip()
 
 
-def read_checksums(log):
+def read_checksums(log, marks=None):
     out = {}
     if os.path.exists(log):
         for line in open(log):
             d = json.loads(line)
             out[d["id"]] = d["checksum"]
+            if marks is not None:
+                marks[d["id"]] = d.get("receiver_marks_s")
     return out
 
 
-async def run_variant(addr, name, pages, n, reps, log, **sender_kw):
+def phase_medians(res) -> dict:
+    """Median ms of each phase mark: sender's (from send's start) and receiver's (from its Announce)."""
+    out = {}
+    snd, rcv = res.get("sender_marks_s") or [], res.get("receiver_marks_s") or []
+    for side, runs in (("sender", snd), ("receiver", rcv)):
+        runs = [m for m in runs if m]
+        for k in (runs[0] if runs else {}):
+            if not k.endswith("_at"):
+                out[f"{side}:{k}"] = round(1e3 * statistics.median(m[k] for m in runs if k in m), 3)
+    # both clocks are the host's monotonic clock: the receiver's Announce relative to the sender's start
+    d = [r["announced_at"] - s["started_at"] for s, r in zip(snd, rcv) if s and r and "announced_at" in r]
+    if d:
+        out["receiver_announce_at_sender"] = round(1e3 * statistics.median(d), 3)
+    return out
+
+
+async def run_variant(addr, name, pages, n, reps, log, tag="", **sender_kw):
     import grpc
 
     from serving.kv_transfer import KVSender
@@ -297,21 +324,29 @@ async def run_variant(addr, name, pages, n, reps, log, **sender_kw):
     async with grpc.aio.insecure_channel(addr, options=GRPC_OPTS) as ch:
         sender = KVSender(ch, timeout_s=300, **sender_kw)
         for i in range(reps + 1):
-            rid = f"{name}-{n}-{i}"
+            rid = f"{tag}{name}-{n}-{i}"
             t0 = time.perf_counter()
             st = await sender.send(rid, pages, n, num_pages=n)
             dt = time.perf_counter() - t0
             res["raw_bytes"], res["wire_bytes"], res["path"], res["codec"] = st.raw_bytes, st.wire_bytes, st.path, st.codec
+            for _ in range(600):    # the receiver's check of this transfer (off the timed path) ends first
+                if rid in read_checksums(log):
+                    break
+                await asyncio.sleep(0.02)
             if i:
                 res["runs"].append(dt)
                 res["announce_s"].append(st.announce_s)
                 res["push_s"].append(st.push_s)
-    ids = [f"{name}-{n}-{i}" for i in range(reps + 1)]
+                res.setdefault("sender_marks_s", []).append(st.extra.get("marks_s"))
+    ids = [f"{tag}{name}-{n}-{i}" for i in range(reps + 1)]   # unique in the log (tag: the layout)
+    rmarks = {}
     for _ in range(600):       # the receiver checks what landed off the timed path
-        got = read_checksums(log)
+        got = read_checksums(log, rmarks)
         if all(i in got for i in ids):
             break
         await asyncio.sleep(0.1)
+    res["receiver_marks_s"] = [rmarks.get(i) for i in ids[1:]]
+    res["phases_ms"] = phase_medians(res)
     res["verified"] = all(got.get(i) == want for i in ids)
     if not res["verified"]:
         res["verify_detail"] = {"want": want, "got": {i: got.get(i) for i in ids}}
@@ -429,7 +464,7 @@ def main():
                 sc = kv_shm.make_copier(copier)
                 for name, n, kw in plans:
                     try:
-                        r = asyncio.run(run_variant(addr, name, pages, n, a.reps, log, copier=sc,
+                        r = asyncio.run(run_variant(addr, name, pages, n, a.reps, log, tag=f"{layout}/", copier=sc,
                                                     chunk_pages=16 if name.startswith("grpc") else 1, **kw))
                         r["sender_copier_fallbacks"] = getattr(sc, "fallbacks", 0)
                     except Exception as e:  # noqa: BLE001
@@ -451,6 +486,7 @@ def main():
                         print(f"{layout:<13} {n * 16:>6} {r['raw_bytes'] / 1e6:8.1f} {name:<22} {r['chunks']:>6} "
                               f"{r['s'] * 1e3:8.2f} {r['gbs']:7.2f} {pct} {r['push_gbs']:9.2f} {r['path']:>5} "
                               f"{r['verified']}", flush=True)
+                        print(f"{'':>30} phases ms: {r['phases_ms']}", flush=True)
                     save()
             finally:
                 proc.stdin.close()

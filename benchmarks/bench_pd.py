@@ -85,12 +85,14 @@ def main():
     ap.add_argument("--kv-chunk-pages", type=int, default=16)
     ap.add_argument("--kv-copier", default="auto")
     ap.add_argument("--kv-shm-mb", type=int, default=256, help="decode worker's shared-memory arena (0: gRPC only)")
+    ap.add_argument("--layer-buffers", default=None, help="passed to the servers (split: faster compiles)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lens = [int(x) for x in a.prompt_tokens.split(",")]
     model = ["--model", a.model] if a.model else []
     eng = [*model, "--max-num-seqs", "8", "--max-num-batched-tokens", str(max(2048, max(lens))),
-           "--num-pages", str(a.num_pages), "--max-model-len", str(max(lens) + 64), "--kv-copier", a.kv_copier]
+           "--num-pages", str(a.num_pages), "--max-model-len", str(max(lens) + 64), "--kv-copier", a.kv_copier,
+           *(["--layer-buffers", a.layer_buffers] if a.layer_buffers else [])]
     procs = [start("colocated", *eng), start("prefill", *eng, "--kv-chunk-pages", str(a.kv_chunk_pages)),
              start("decode", *eng, "--kv-shm-mb", str(a.kv_shm_mb))]
     rows = []

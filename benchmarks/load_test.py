@@ -301,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="with --spawn: engine batch slots")
     ap.add_argument("--num-pages", type=int, default=None, help="with --spawn: KV pages")
     ap.add_argument("--fake-step-time", type=float, default=0.0, help="with --spawn fake: seconds per step")
+    ap.add_argument("--layer-buffers", default=None, choices=["stacked", "split", "auto"],
+                    help="with --spawn model/synthetic: EngineConfig.layer_buffers (split: faster compiles)")
     ap.add_argument("--pad-batch", action="store_true",
                     help="with --spawn model/synthetic: every step padded to the full batch bucket (max-num-seqs), so "
                          "fewer shape buckets compile (both paths run the same programs)")
@@ -314,14 +316,16 @@ from serving.synthetic import synthetic_served_model  # noqa: E402  (moved to se
 def _spawn_model(a):
     from serving.model import ServedModel, model_name_for_path
     if a.spawn == "synthetic":
-        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages)) if v is not None}
+        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
+                                ("layer_buffers", a.layer_buffers)) if v is not None}
         return synthetic_served_model(a.synthetic_layers, **kw)
     if a.spawn == "fake":
         from serving.fake_engine import fake_served_model
         kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages)) if v is not None}
         return fake_served_model(step_time_s=a.fake_step_time, **kw)
     import tbjax
-    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages)) if v is not None}
+    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
+                            ("layer_buffers", a.layer_buffers)) if v is not None}
     return ServedModel.from_llm(tbjax.LLM(a.model, progress=False, **kw), name=model_name_for_path(a.model))
 
 

@@ -16,10 +16,11 @@ out of the region into its pools. Both copies go through a ``HostCopier``:
 
 Device to device: when both sides are GPU processes on one host, the decode side can also export a device staging
 buffer by CUDA IPC (``IpcArena``); the prefill side copies its pages device to device into it (no host memory, no
-PCIe on one GPU). Measured on the H200 (benchmarks/RESULTS.md): 755 MB of KV between two processes in 15 ms
-(49.8 GB/s) by IPC, 20 GB/s through shared memory with the cupy copier, 4.3 GB/s with jax-pinned, 0.3 GB/s as
-gRPC bytes; the copies themselves run at 55 GB/s each way (both ways at once, also from two processes: ~100 GB/s)
-and 2 TB/s device to device, so both fast paths are bound by a fixed cost per chunk (~2.4 ms), not by copying.
+PCIe on one GPU). The decode side's ``Landing`` takes every chunk of a reservation into one device buffer (one
+queued copy per chunk, one wait and one checksum program per transfer). Measured on the H200 (benchmarks/RESULTS.md,
+session 3): 1.07 GB of KV between two processes in 12.9 ms by IPC (83 GB/s), 34 ms through shared memory with the
+cupy copier (31 GB/s; the copies run at 55 GB/s each way, ~97 GB/s both ways at once), 0.3 GB/s as gRPC bytes; a
+134 MB transfer takes ~10 ms on either fast path: a fixed ~8-9 ms per transfer, not the copying, bounds them.
 
 Integrity: each chunk carries the 64-bit device-side checksum of ``tbjax.engine.kv_pages.chunk_checksums``
 (computed on the prefill device before the copy, re-computed on the decode device after it), not crc32 (which
@@ -287,9 +288,20 @@ def start_copy_to_ipc(pages, first: int, n: int, dst_ptr: int) -> Callable[[], N
     s = _ipc_stream()
     cupy.cuda.runtime.memcpyAsync(dst_ptr, src.data.ptr + first * rb, n * rb,
                                   cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-    ev = cupy.cuda.Event(block=False, disable_timing=True)
-    ev.record(s)
-    return lambda: (ev.synchronize(), src)[0]
+    return _event_waiter(cupy, s, src)
+
+
+def _event_waiter(cp, stream, keep):
+    """A function that waits for what ``stream`` has queued so far (an event), with ``.ready()`` to ask without
+    waiting; ``keep`` (the DLPack view of the source) stays alive until the copy is done."""
+    ev = cp.cuda.Event(block=False, disable_timing=True)
+    ev.record(stream)
+
+    def wait():
+        ev.synchronize()
+        return keep
+    wait.ready = ev.query
+    return wait
 
 
 _STREAMS: dict = {}
@@ -457,9 +469,7 @@ class CupyCopier(HostCopier):
             return lambda: alt.to_shm(pages, first, n, seg, offset)
         self.cp.cuda.runtime.memcpyAsync(seg.address + offset, src.data.ptr + first * rb, n * rb,
                                          self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-        ev = self.cp.cuda.Event(block=False, disable_timing=True)
-        ev.record(self.stream)
-        return lambda: (ev.synchronize(), src)[0]       # src keeps the DLPack view alive until the copy is done
+        return _event_waiter(self.cp, self.stream, src)
 
     def from_shm(self, seg, offset, n, dtype, row_shape, device=None):
         import jax

@@ -199,6 +199,7 @@ class _Reservation:
     landing: kv_shm.Landing | None = None   # same-host chunks land here; verified and written once, at the end
     sums: dict = field(default_factory=dict)        # first page -> the sender's checksum64 of that chunk
     scales: np.ndarray | None = None                # scales of landed chunks (fp8 pools)
+    marks: dict = field(default_factory=dict)       # phase -> perf_counter() (diagnostics: ``KVReceiver.timings``)
 
 
 class KVReceiver:
@@ -248,6 +249,7 @@ class KVReceiver:
             except Exception as e:  # noqa: BLE001 - no cupy / no IPC: shm or gRPC
                 log.warning("no CUDA IPC KV buffer (%s: %s)", type(e).__name__, e)
         self._res: dict[str, _Reservation] = {}
+        self.timings: dict[str, dict] = {}     # request id -> seconds of each phase of its last transfer (last 256)
         self._expiry: asyncio.Task | None = None
         self.num_completed = 0
         self.num_failed = 0
@@ -334,6 +336,7 @@ class KVReceiver:
         rid = uuid.uuid4().hex
         res = self._res[rid] = _Reservation(rid, req.request_id, pages, req.num_tokens, codec,
                                             time.monotonic() + self.timeout_s, np.zeros(req.num_pages, bool))
+        res.marks["announced"] = time.perf_counter()
         shm_name = ""
         if req.shm and self.arena is not None and req.host_id == self.host_id:
             res.shm_offset = self.arena.alloc(req.num_pages * self.page_nbytes)   # None: arena full -> gRPC
@@ -368,8 +371,10 @@ class KVReceiver:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "one stream carries one reservation")
                 if res.id not in self._res:
                     raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reservation lapsed during the transfer")
+                res.marks.setdefault("first_chunk", time.perf_counter())
                 await self._take_chunk(res, chunk)
                 if chunk.last:
+                    res.marks["last_chunk"] = time.perf_counter()
                     if not res.received.all():
                         missing = np.flatnonzero(~res.received)[:8].tolist()
                         raise _Abort(grpc.StatusCode.DATA_LOSS, f"last chunk arrived but pages {missing} are missing")
@@ -393,6 +398,11 @@ class KVReceiver:
                 self._fail(res, f"transfer stream broke: {type(e).__name__}: {e}")
             raise
         del self._res[res.id]
+        res.marks["done"] = time.perf_counter()
+        t = res.marks.pop("announced")
+        self.timings[res.request_id] = {**{k: v - t for k, v in res.marks.items()}, "announced_at": t}
+        while len(self.timings) > 256:
+            self.timings.pop(next(iter(self.timings)))
         used_shm = res.shm_chunks > 0 or res.ipc_chunks > 0
         self._free_region(res)
         self.num_completed += 1
@@ -492,6 +502,7 @@ class KVReceiver:
             rows, got = await asyncio.to_thread(land.finish)
         except Exception as e:  # noqa: BLE001
             raise _Abort(grpc.StatusCode.INTERNAL, f"cannot land the pages: {type(e).__name__}: {e}") from None
+        res.marks["landed_checked"] = time.perf_counter()
         for first, want in sorted(res.sums.items()):
             if got.get(first) != want:
                 where = "shared-memory" if res.shm_chunks else "IPC"
@@ -504,6 +515,7 @@ class KVReceiver:
             for first, m in parts:
                 await self._write(res, first, m, rows[first:first + m],
                                   None if res.scales is None else res.scales[first:first + m])
+        res.marks["written"] = time.perf_counter()
         res.landing = None
 
     async def Release(self, req, context):
@@ -665,7 +677,7 @@ class KVSender:
         returns a waiter), then each chunk's control message leaves as soon as its copy is done."""
         row_bytes = int(np.prod(pages.shape[1:])) * pages.dtype.itemsize
         region = ann.ipc_offset if in_ipc else ann.shm_offset
-        if not isinstance(pages, np.ndarray):
+        if not isinstance(pages, np.ndarray) and not pages.is_ready():    # (ready: the checksums read it)
             await asyncio.to_thread(pages.block_until_ready)
         firsts = list(range(0, n, c))
         waits = [start(first, min(c, n - first), region + first * row_bytes) for first in firsts]
@@ -673,7 +685,11 @@ class KVSender:
             if self.stall_after_chunks is not None and j == self.stall_after_chunks:
                 await asyncio.sleep(self.stall_s)
             m = min(c, n - first)
-            await asyncio.to_thread(waits[j])
+            ready = getattr(waits[j], "ready", None)
+            if ready is not None and ready():
+                waits[j]()                          # copy already done: no thread hop
+            else:
+                await asyncio.to_thread(waits[j])
             yield kvpb.KVChunk(reservation_id=ann.reservation_id, first_page=first, num_pages=m, codec=ann.codec,
                                raw_nbytes=m * row_bytes, in_shm=not in_ipc, in_ipc=in_ipc, checksum64=sums[j],
                                last=first + c >= n, **self._scales_fields(scales, first, m))
@@ -702,12 +718,20 @@ class KVSender:
             scales = host_pages(scales, n)
         dtype_name = np.dtype(pages.dtype).name
         t0 = time.perf_counter()
+        marks = {}
         pending = {}
         ipc = self.ipc and self.shm and kv_shm.ipc_capable(pages)
         c_shm = self.fast_chunk_pages(pages, n)
         c_ipc = self.fast_chunk_pages(pages, n, ipc=True)
         if self.shm:    # queued before the announce (no reservation waits on it, or on its compile), read after it
-            pending = await asyncio.to_thread(_start_checksums, pages, n, {c_shm, c_ipc} if ipc else {c_shm})
+            sizes = {c_shm, c_ipc} if ipc else {c_shm}
+            keys = {(tuple(pages.shape), np.dtype(pages.dtype).name, c) for c in sizes}
+            if keys <= _CHECKSUMS_COMPILED:      # a dispatch (~0.1 ms): inline, no thread hop
+                pending = _start_checksums(pages, n, sizes)
+            else:                                # may compile: off the event loop
+                pending = await asyncio.to_thread(_start_checksums, pages, n, sizes)
+                _CHECKSUMS_COMPILED.update(keys)
+            marks["checksums_queued"] = time.perf_counter() - t0
         try:
             ann = await self._announce(kvpb.AnnounceRequest(
                 request_id=request_id, num_pages=n, num_tokens=num_tokens,
@@ -723,14 +747,16 @@ class KVSender:
         if ann.ipc_handle and c_ipc in pending:
             try:
                 ptr = kv_shm.open_ipc(ann.ipc_handle)
-                sums = await asyncio.to_thread(_read_checksums, pending[c_ipc], n, c_ipc)
+                sums = await _checksums_when_ready(pending[c_ipc], n, c_ipc)
+                marks["sums_read"] = time.perf_counter() - t0
                 chunks = self._ipc_chunks(ann, pages, scales, n, ptr, sums)
             except Exception as e:  # noqa: BLE001 - cannot open it: shared memory or the byte stream
                 log.warning("CUDA IPC buffer not usable (%s: %s): trying shared memory", type(e).__name__, e)
         if chunks is None and ann.shm_name and c_shm in pending:
             try:
                 seg = _mapping(ann.shm_name)
-                sums = await asyncio.to_thread(_read_checksums, pending[c_shm], n, c_shm)
+                sums = await _checksums_when_ready(pending[c_shm], n, c_shm)
+                marks["sums_read"] = time.perf_counter() - t0
                 chunks = self._shm_chunks(ann, pages, scales, n, seg, sums)
             except Exception as e:  # noqa: BLE001 - cannot map it: the byte stream still works
                 log.warning("shared-memory region %s not usable (%s): sending over gRPC", ann.shm_name, e)
@@ -750,9 +776,10 @@ class KVSender:
         if self.metrics is not None:
             self.metrics.transfer_raw.inc(result.raw_bytes)
             self.metrics.transfer_wire.inc(result.wire_bytes)
+        marks["announced"], marks["acknowledged"], marks["started_at"] = t1 - t0, time.perf_counter() - t0, t0
         return SendStats(ann.reservation_id, result.path if result.shm else ann.codec, result.pages,
                          result.raw_bytes, result.wire_bytes, t1 - t0, time.perf_counter() - t1, shm=result.shm,
-                         path=result.path or "grpc")
+                         path=result.path or "grpc", extra={"marks_s": marks})
 
 
 def _pow2_ceil(n: int) -> int:
@@ -768,6 +795,15 @@ def _start_checksums(pages, n: int, chunk_sizes) -> dict:
     from tbjax.engine.kv_pages import _chunk_checksums
 
     return {c: _chunk_checksums(pages, np.int32(n), chunk_pages=int(c)) for c in chunk_sizes}
+
+
+_CHECKSUMS_COMPILED: set = set()     # (rows shape, dtype, chunk pages) whose checksum program exists
+
+
+async def _checksums_when_ready(ab, n: int, c: int) -> list[int]:
+    if not hasattr(ab, "is_ready") or ab.is_ready():
+        return _read_checksums(ab, n, c)
+    return await asyncio.to_thread(_read_checksums, ab, n, c)
 
 
 def _read_checksums(ab, n: int, c: int) -> list[int]:

@@ -14,8 +14,14 @@ def synthetic_served_model(n_layers: int | None = None, dtype: str = "bfloat16",
     """A ServedModel with SmolLM2-135M's shapes (llama, 30 layers, d 576, 9/3 heads, vocab 49152) and random
     weights, plus a tokenizer that can decode every id: for benchmarking where the model file is absent.
     pipeline_devices: a prefill-only pipeline engine over those devices (serving.model.pipeline_served_model)."""
+    import os
+
     import jax
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if os.environ.get("TBJAX_COMPILE_CACHE", "0") != "0":     # opt-in here (benchmark runs carry the cache)
+        from tbjax import compile_cache
+        compile_cache.enable()
 
     from serving.model import ServedModel
     from tbjax.engine.engine import Engine, EngineConfig

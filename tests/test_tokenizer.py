@@ -48,3 +48,33 @@ def test_tokenizer_from_dir_and_errors(tmp_path, smollm_f32):
     (bad / "tokenizer.json").write_text("{broken")
     with pytest.raises(TokenizerError, match="cannot parse"):
         TextTokenizer.from_dir(str(bad))
+
+
+def test_incremental_text_equals_full_decode(smollm_f32):
+    """IncrementalText (a few tokens decoded per step) against tokenizers' full decode of the whole output: every
+    step's text is the complete-UTF-8 prefix of the full decode, and the final text is the full decode. Outputs mix
+    ASCII, multi-byte characters split over byte-level tokens, random ids and special tokens."""
+    import numpy as np
+    from tbjax.engine.detokenize import IncrementalText
+    tok = smollm_f32[2]
+    dec = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rng = np.random.default_rng(0)
+    texts = ["Hello, world! ", "naïve café — 東京 🚀🚀 ", "  leading spaces\nand\ttabs ", "ÀÉÎÕÜ ß ∑∫ 😀 "]
+    for trial in range(12):
+        ids = []
+        for _ in range(4):
+            pick = rng.integers(0, 3)
+            if pick == 0:
+                ids += tok.encode(texts[rng.integers(0, len(texts))], add_special_tokens=False)
+            elif pick == 1:
+                ids += [int(x) for x in rng.integers(0, 49152, rng.integers(1, 6))]
+            else:
+                ids += [0, 2]                                   # special tokens, skipped in the text
+        it = IncrementalText(dec)
+        for n in range(1, len(ids) + 1):
+            got = it.update(ids[:n], final=n == len(ids))
+            full = dec(ids[:n])
+            assert full.startswith(got), (trial, n)
+            if not full.endswith("\ufffd"):
+                assert got == full, (trial, n)
+        assert it.text == dec(ids)

@@ -18,6 +18,7 @@ from typing import Hashable
 
 import jax
 
+from tbjax.engine.detokenize import IncrementalText
 from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, init_kv_cache, pages_for_budget
 from tbjax.engine.kv_pages import gather_pages, gather_pages_stacked, scatter_pages, scatter_pages_stacked
 from tbjax.engine.request import FinishReason, Sequence
@@ -102,7 +103,8 @@ class _ReqState:
     params: SamplingParams
     seed: int
     text: str = ""                        # text emitted so far (stop strings excluded)
-    n_decoded: int = 0                    # output tokens already turned into text
+    detok: IncrementalText | None = None  # the output's text, decoded a few tokens per step
+    out_ids: list = dataclasses.field(default_factory=list)   # output token ids so far
     arrival: float = 0.0
     first_token_time: float | None = None
 
@@ -163,6 +165,7 @@ class Engine:
     def _add_state(self, request_id, params) -> _ReqState:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         st = self._reqs[request_id] = _ReqState(params, seed & 0xFFFFFFFF, arrival=time.monotonic())
+        st.detok = IncrementalText(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         return st
 
     def abort(self, request_id: Hashable) -> bool:
@@ -247,8 +250,8 @@ class Engine:
         reason = self.scheduler.add_prefilled(seq, request_id, first_token)
         st = self._add_state(request_id, params)
         st.first_token_time = time.monotonic()
-        first_text = self.tokenizer.decode([first_token], skip_special_tokens=True)
-        st.text = "" if first_text.endswith("\ufffd") else first_text
+        st.out_ids.append(first_token)
+        st.text = st.detok.update(st.out_ids)             # "" while the token is an incomplete UTF-8 piece
         if reason is not None:   # the first token already ended it: report on the next step
             self._reqs.pop(request_id, None)
             self._pending.append(RequestOutput(request_id, [], "", True, reason.value))
@@ -293,17 +296,15 @@ class Engine:
         return pending + results
 
     def _emit(self, so, st: _ReqState, lp) -> RequestOutput:
-        seq = self.scheduler.get(so.seq_id)
-        out_ids = list(seq.output_token_ids) if seq is not None else list(so.new_token_ids)
+        st.out_ids.extend(so.new_token_ids)          # (the scheduler drops a finished sequence's own list)
+        out_ids = st.out_ids
         finished, reason = so.finished, (so.finish_reason.value if so.finish_reason else None)
         # text of the output so far, holding back an incomplete UTF-8 tail and any stop-token text
         ids_for_text = out_ids
         if finished and reason == "stop" and so.stop_token_id is not None and ids_for_text \
                 and ids_for_text[-1] == so.stop_token_id:
             ids_for_text = ids_for_text[:-1]
-        full = self.tokenizer.decode(ids_for_text, skip_special_tokens=True)
-        if not finished and full.endswith("\ufffd"):
-            full = full[: len(st.text)] if len(full) > len(st.text) else st.text
+        full = st.detok.update(ids_for_text, final=finished)     # complete UTF-8 only, unless finished
         stop_hit = None
         for s in st.params.stop:
             i = full.find(s, max(0, len(st.text) - len(s) + 1))

@@ -194,8 +194,24 @@ class ModelRunner:
         min_p = np.zeros(Sb, np.float32)
         seed = np.zeros(Sb, np.uint32)
         spos = np.zeros(Sb, np.int32)
+        if S:
+            cols = list(zip(*sampling))
+            temp[:S], top_k[:S], top_p[:S], min_p[:S], seed[:S] = cols
+        if decode_only:                 # the common step, vectorized (one token per sequence)
+            start = np.fromiter((st for _, st, _ in entries), np.int32, S)
+            tokens[:S] = [ids[0] for ids, _, _ in entries]
+            positions[:S] = start
+            for s, (_, _, bt) in enumerate(entries):
+                bts[s, :len(bt)] = bt
+            slots[:S] = bts[np.arange(S), start // G] * G + start % G
+            kv_lens[:S] = spos[:S] = start + 1
+            cu[1:S + 1] = np.arange(1, S + 1)
+            rows[:S] = np.arange(S)
+            cu[S + 1:] = S
+            return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed,
+                              spos, decode_only)
         t = 0
-        for s, ((ids, start, bt), smp) in enumerate(zip(entries, sampling)):
+        for s, (ids, start, bt) in enumerate(entries):
             n = len(ids)
             pos = np.arange(start, start + n, dtype=np.int32)
             tokens[t:t + n] = ids
@@ -207,7 +223,6 @@ class ModelRunner:
             t += n
             cu[s + 1] = t
             rows[s] = t - 1
-            temp[s], top_k[s], top_p[s], min_p[s], seed[s] = smp
             spos[s] = start + n
         cu[S + 1:] = t
         return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed, spos,

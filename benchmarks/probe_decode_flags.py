@@ -24,6 +24,9 @@ VARIANTS = {
     "pdl": "--xla_gpu_enable_pdl=true",
     "cublas+pdl": "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_pdl=true",
     "no_cmdbuf": "--xla_gpu_enable_command_buffer=",
+    # RMSNorm became a Triton block-level fusion (kind kCustom) that the residual add before it cannot join:
+    "no_triton_norm": "--xla_gpu_enable_triton_softmax_fusion=false --xla_gpu_enable_softmax_fusion=false "
+                      "--xla_gpu_experimental_enable_fusion_block_level_rewriter=false",
 }
 
 

@@ -306,8 +306,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pad-batch", action="store_true",
                     help="with --spawn model/synthetic: every step padded to the full batch bucket (max-num-seqs), so "
                          "fewer shape buckets compile (both paths run the same programs)")
+    ap.add_argument("--client-process", action="store_true",
+                    help="with --spawn: the gRPC client runs in a second process (the server's process then holds only "
+                         "the server and the engine, as in deployment; in one process the client's Python work shares "
+                         "the server's GIL)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--jobs-file", help=argparse.SUPPRESS)       # --client-process child: the workload to send
+    ap.add_argument("--results-file", help=argparse.SUPPRESS)    # --client-process child: where its results go
     return ap
+
+
+def _client_process(a, tgt: str, job_list: list[Job]) -> tuple[list[Result], float]:
+    """Send ``job_list`` to ``tgt`` from a child process (this script with --target); its raw results come back."""
+    import dataclasses
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tbjax-load-") as d:
+        jf, rf = os.path.join(d, "jobs.json"), os.path.join(d, "results.json")
+        with open(jf, "w") as f:
+            json.dump([dataclasses.astuple(j) for j in job_list], f)
+        cmd = [sys.executable, os.path.abspath(__file__), "--target", tgt, "--jobs-file", jf, "--results-file", rf,
+               "--num-requests", str(len(job_list)), "--concurrency", str(a.concurrency),
+               "--request-rate", str(a.request_rate), "--temperature", str(a.temperature), "--timeout", str(a.timeout),
+               "--channels", str(a.channels), "--warmup", "0"] + ([] if a.ignore_eos else ["--no-ignore-eos"])
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"client process failed ({p.returncode}): {p.stderr[-2000:]}")
+        with open(rf) as f:
+            out = json.load(f)
+    return [Result(**r) for r in out["results"]], out["duration_s"]
 
 
 from serving.synthetic import synthetic_served_model  # noqa: E402  (moved to serving/; kept importable here)
@@ -347,7 +374,11 @@ def main(argv=None) -> dict:
         with Client(a.target, timeout=30) as c:
             info = c.model_info()
         vocab, ctx = info["vocab_size"], info["max_context"]
-    jobs = make_workload(a.num_requests, a.prompt_len, a.output_len, vocab, ctx, a.request_rate, a.seed)
+    if a.jobs_file:
+        with open(a.jobs_file) as f:
+            jobs = [Job(*j) for j in json.load(f)]
+    else:
+        jobs = make_workload(a.num_requests, a.prompt_len, a.output_len, vocab, ctx, a.request_rate, a.seed)
     if a.warmup_same:
         warm = [Job(j.index, j.prompt_token_ids, j.max_tokens, 0.0) for j in jobs]
     else:
@@ -382,11 +413,18 @@ def main(argv=None) -> dict:
         else:
             tgt = a.target
         try:
-            res, dur = asyncio.run(run_grpc(tgt, job_list, a))
+            if a.client_process and server is not None:
+                res, dur = _client_process(a, tgt, job_list)
+            else:
+                res, dur = asyncio.run(run_grpc(tgt, job_list, a))
         finally:
             if server is not None:
                 server.stop()   # hands the engine back to this thread
-        return res, dur, f"gRPC {tgt}"
+        if a.results_file:
+            import dataclasses
+            with open(a.results_file, "w") as f:
+                json.dump({"results": [dataclasses.asdict(r) for r in res], "duration_s": dur}, f)
+        return res, dur, f"gRPC {tgt}" + (" (client in another process)" if a.client_process and a.spawn else "")
 
     # warm up every path first (compiles shape buckets), then measure: no pass pays for another's compiles
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 run of the serving measurements (issue 7), each section under its own time limit (T_* seconds, 0 skips):
-#   load_test.py --compare-offline: gRPC vs the offline engine, same workload, same process (T_LOAD);
+#   load_test.py --compare-offline: gRPC (client in a second process) vs the offline engine, same workload (T_LOAD);
 #   bench_pd.py: disaggregated vs colocated TTFT and the engine-level transfer, synthetic SmolLM2-135M (T_PD);
 #   bench_kv_transfer.py: KV transfer GB/s between two processes with its copy ceiling (T_KV).
 # Results go to $OUT (or ./out). The serving sections compile with XLA_FLAGS=--xla_gpu_autotune_level=0 (a 30-layer
@@ -34,7 +34,7 @@ mkdir -p /tmp/jaxcache
     XLA_FLAGS="$FAST_COMPILE" timeout "${T_LOAD:-150}" python3 benchmarks/load_test.py --spawn synthetic --compare-offline \
       --num-requests "${LOAD_N:-512}" --concurrency "${LOAD_C:-128}" --prompt-len "${LOAD_P:-192}" \
       --output-len "${LOAD_O:-64}" --warmup-same --pad-batch --max-num-seqs "${LOAD_C:-128}" --num-pages 8192 \
-      --layer-buffers "${LAYER_BUFFERS:-split}" --out "$OUT/load.json"
+      --layer-buffers "${LAYER_BUFFERS:-split}" --client-process --out "$OUT/load.json"
   fi
   if [ "${T_PD:-110}" -gt 0 ]; then
     echo "== bench_pd $(date -u +%T)"

@@ -27,6 +27,11 @@ device-side checksum (``in_shm``). The handshake, timeouts, and failure handling
 freed with the reservation. A sender that cannot map the region sends the pages in the payload instead.
 GPU processes on one host go device to device instead when the receiver has ``ipc_bytes > 0``: a region of its
 CUDA IPC staging buffer (``in_ipc`` chunks); a sender that cannot open it falls back to shm, then to the payload.
+On both same-host paths the sender queues every chunk's copy at once and sends each control message when its copy is
+done; the receiver queues each chunk's copy into the reservation's ``kv_shm.Landing`` and, after the last chunk,
+checks every chunk's checksum where the pages landed (one device program) and writes the pool once (a mismatch is
+DATA_LOSS and frees the reservation, as on the byte path). Both sides record phase timestamps for diagnosis
+(``SendStats.extra["marks_s"]``, ``KVReceiver.timings``).
 fp8 pools: each chunk carries its pages' float32 scales (``scales``, crc32-checked) on either path.
 """
 from __future__ import annotations

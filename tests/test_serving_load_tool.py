@@ -44,12 +44,14 @@ def test_distributions_and_workload():
     assert lt.make_workload(3, lt.parse_dist("4"), lt.parse_dist("4"), 100, 48, float("inf"), 1)[2].arrival_s == 0
 
 
-@pytest.mark.parametrize("mode", ["grpc", "offline", "offline+grpc"])
+@pytest.mark.parametrize("mode", ["grpc", "offline", "offline+grpc", "offline+grpc/client-process"])
 def test_short_run_against_fake_engine(mode, tmp_path):
     out = tmp_path / "r.json"
     args = ["--spawn", "fake", "--num-requests", "40", "--concurrency", "8", "--prompt-len", "uniform:4:40",
             "--output-len", "uniform:1:20", "--seed", "5", "--warmup", "1", "--out", str(out)]
-    rep = lt.main(args + {"grpc": [], "offline": ["--offline"], "offline+grpc": ["--compare-offline"]}[mode])
+    rep = lt.main(args + {"grpc": [], "offline": ["--offline"], "offline+grpc": ["--compare-offline"],
+                          "offline+grpc/client-process": ["--compare-offline", "--client-process"]}[mode])
+    mode = mode.split("/")[0]      # the client process sends the same workload: the same summary checks hold
     assert rep["mode"] == mode
     for key in mode.split("+"):
         _check_summary(rep[key])

@@ -75,7 +75,8 @@ class DevicePagePool:
         B = pages.shape[0]
         ids = np.zeros(B, np.int32)
         ids[:len(page_ids)] = page_ids
-        self.data = self._set(self.data, ids, pages)
+        with self._lock:      # (the checker thread's gather reads self.data under the same lock)
+            self.data = self._set(self.data, ids, pages)
 
     def free(self, page_ids):
         with self._lock:
@@ -84,7 +85,8 @@ class DevicePagePool:
     def rows(self, page_ids):
         """The pages as they are now (a gather queued on the device: later writes do not change it)."""
         import numpy as np
-        return self.data[np.asarray(page_ids, np.int32)]
+        with self._lock:
+            return self.data[np.asarray(page_ids, np.int32)]
 
 
 def receiver_main(a):
@@ -104,17 +106,17 @@ def receiver_main(a):
     holder = {}
 
     def on_ready(rid, ids, n):
-        # the check of what landed runs off the timed path (a thread, in order); the pages go back to the pool only
-        # after it, so no later transfer can overwrite them before they are read (the pool has room for two)
-        todo.put((rid, pool.rows(ids), len(ids), ids, holder["rx"].timings.get(rid)))
+        # the check of what landed runs off the timed path (a thread, in order: gather, checksum); the pages go back
+        # to the pool only after it, so no later transfer can overwrite them before they are read (room for two)
+        todo.put((rid, len(ids), ids, holder["rx"].timings.get(rid)))    # the gather happens in the checker
 
     def verifier():
         while True:
             item = todo.get()
             if item is None:
                 return
-            rid, rows, n, ids, marks = item
-            s = chunk_checksums(rows, n, n)[0]
+            rid, n, ids, marks = item
+            s = chunk_checksums(pool.rows(ids), n, n)[0]
             pool.free(ids)
             log.write(json.dumps({"id": rid, "checksum": s, "receiver_marks_s": marks}) + "\n")
             log.flush()

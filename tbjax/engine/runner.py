@@ -7,6 +7,10 @@ Buckets are powers of two, so steady state never recompiles. Only the rows that 
 logits, and sampling runs inside the same program: one small int32 array comes back per step.
 The KV pools are donated and updated in place. Decode steps send the projections to the weight-streaming matmul
 kernel on GPU when that is faster (batches of <= 4: `matmul_impl`, tbjax/model/linear.py); others use XLA dots.
+A step's host inputs travel as two packed arrays (int32 and float32, fields 256-byte aligned) and are unpacked in
+the program: per-array transfers cost more than the arrays (H200: host round trip 1.43 -> 0.54 ms at batch 32).
+`precompile` compiles chosen buckets ahead of use, several XLA compiles at once. MLA layers keep their latent once
+per token (tbjax/engine/mla_paged.py).
 """
 from __future__ import annotations
 

@@ -69,6 +69,8 @@ def main():
                        '\'{"block_kv": 64, "stages": 2, "split_policy": "waves"}\'')
   ap.add_argument("--fp8-variants", default="",
                   help="JSON list of fp8 kwargs for `fp8var` (default: run C's list)")
+  ap.add_argument("--grid-groups", default="",
+                  help="GQA groups of the `grid` section, e.g. 4,8 (default: the profile's)")
   ap.add_argument("--profile", default="full", choices=("full", "final", "r3"),
                   help="final: the reduced matrices of run B; r3: run C (fp8 kernel variants, small-batch "
                        "variants, Triton/sparse/prefill, then the bf16 + fp8 grid), fits the device budget")
@@ -314,6 +316,11 @@ def main():
 
   fp8_best = {}  # kwargs of the fastest fp8 variant (fp8var), used by grid
 
+  def dequantized_q(q):
+    """The q an fp8-QK kernel (fp8_qk=True) actually uses: its per-row e4m3 quantization, in f32."""
+    q8, s_q = gpu.quantize_q_rows(q)
+    return q8.astype(jnp.float32) * s_q[..., None]
+
   if section("fp8var"):
     rows = []
     kv, kv8 = get_pool(), get_pool8()
@@ -325,7 +332,13 @@ def main():
                   (jnp.float8_e4m3fn, dict(fp8_converters=3, splits=1), dict(sliding_window=300, soft_cap=20.0)),
                   (jnp.float8_e5m2, dict(fp8_converters=2, block_kv=128, stages=2), {}),
                   (jnp.float8_e4m3fn, dict(fp8_converters=1, fp8_compute_wgs=2), dict(sliding_window=300)),
-                  (jnp.float8_e5m2, dict(fp8_converters=1, fp8_compute_wgs=2, block_kv=128, stages=2, splits=1), {})]
+                  (jnp.float8_e5m2, dict(fp8_converters=1, fp8_compute_wgs=2, block_kv=128, stages=2, splits=1), {}),
+                  # fp8 QK^T (q quantized per row to e4m3): compared with the reference at the quantized q
+                  (jnp.float8_e4m3fn, dict(fp8_converters=0, fp8_qk=True), dict(sliding_window=300, soft_cap=20.0)),
+                  (jnp.float8_e5m2, dict(fp8_converters=0, fp8_qk=True, block_kv=128, stages=2, splits=1), {}),
+                  (jnp.float8_e4m3fn, dict(fp8_converters=1, fp8_qk=True), {}),
+                  (jnp.float8_e5m2, dict(fp8_converters=2, fp8_qk=True, block_kv=64, stages=8, splits=1),
+                   dict(soft_cap=20.0))]
       if args.fp8_variants:  # run D: the integer-op widening
         ws_cases = [(jnp.float8_e4m3fn, dict(fp8_converters=1, block_kv=128, stages=2, fp8_convert="bits"), {}),
                     (jnp.float8_e4m3fn, dict(fp8_converters=2, fp8_convert="bits", splits=1),
@@ -335,6 +348,11 @@ def main():
         qq, kvv, btt, lns, scc = rand_problem(S=4, K=8, g=4, H=128, G=16, Pmax=40, dtype=dt)
         out = gpu.paged_decode_attention_gpu(qq, kvv, btt, lns, kv_scales_PK=scc, interpret=impl_interp, **kk,
                                              **semantics)
+        if kk.get("fp8_qk"):
+          record(f"decode fp8 {jnp.dtype(dt).name} {kk} {semantics} vs ref(q) [q8 rounding]", out,
+                 reference.paged_decode_attention_reference(qq, kvv, btt, lns, kv_scales_PK=scc, **semantics),
+                 rows=ws_rows)
+          qq = dequantized_q(qq)
         record(f"decode fp8 {jnp.dtype(dt).name} {kk} {semantics}", out,
                reference.paged_decode_attention_reference(qq, kvv, btt, lns, kv_scales_PK=scc, **semantics),
                rows=ws_rows)
@@ -355,14 +373,27 @@ def main():
     S, L, g = (8, contexts[1], 4) if not smoke else (2, contexts[-1], 4)
     q, bt, lens = decode_inputs(S, L, g)
     bf16_ms = timeit(bf_kernel(), q, kv, bt, lens)
-    ref8 = f32(jax.jit(lambda q, kv, bt, lens, sc: reference.paged_decode_attention_reference(
-        q, kv, bt, lens, kv_scales_PK=sc))(q, kv8, bt, lens, sc))
-    # Default list: the current default and the not-yet-measured two-compute-warpgroup variants (run C's list
-    # and run D's are in their JSON files; pass them with --fp8-variants to repeat them).
+    fref8 = jax.jit(lambda q, kv, bt, lens, sc: reference.paged_decode_attention_reference(
+        q, kv, bt, lens, kv_scales_PK=sc))
+    ref8 = f32(fref8(q, kv8, bt, lens, sc))
+    ref8_q8 = f32(fref8(dequantized_q(q), kv8, bt, lens, sc))
+    res["fp8var_ref_q8_vs_ref_max_abs"] = float(np.max(np.abs(ref8_q8 - ref8)))  # the q rounding's own effect
+    # Default list: the current default, the inline kernel, and the not-yet-measured two-compute-warpgroup and
+    # fp8-QK (fp8_qk=True) variants (run C's list and run D's are in their JSON files; pass them with
+    # --fp8-variants to repeat them). fp8_qk rows are also checked against the reference at the quantized q.
     variants = [dict(), dict(fp8_converters=0),
                 dict(fp8_converters=1, fp8_compute_wgs=2),
                 dict(fp8_converters=1, fp8_compute_wgs=2, block_kv=128, stages=2),
-                dict(fp8_converters=1, fp8_compute_wgs=2, stages=4)]
+                dict(fp8_converters=1, fp8_compute_wgs=2, stages=4),
+                # fp8 QK^T wgmma (q per-row e4m3), only V widened: inline (one warpgroup) and warp-specialized
+                dict(fp8_converters=0, fp8_qk=True),
+                dict(fp8_converters=0, fp8_qk=True, block_kv=64, stages=4),
+                dict(fp8_converters=0, fp8_qk=True, block_kv=128, stages=2),
+                dict(fp8_converters=0, fp8_qk=True, block_kv=128, stages=3),
+                dict(fp8_converters=1, fp8_qk=True),
+                dict(fp8_converters=1, fp8_qk=True, block_kv=64, stages=6),
+                dict(fp8_converters=2, fp8_qk=True, block_kv=64, stages=8),
+                dict(fp8_converters=1, fp8_qk=True, fp8_compute_wgs=2)]
     if args.fp8_variants:
       variants = json.loads(args.fp8_variants)
     if smoke:
@@ -377,8 +408,11 @@ def main():
         row["fp8_ms"] = timeit(fk, q, kv8, bt, lens, sc)
         row["fp8_over_bf16"] = row["fp8_ms"] / bf16_ms
         row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
-        row["max_err_vs_ref"] = float(np.max(np.abs(f32(fk(q, kv8, bt, lens, sc)) - ref8)))
-        if not row["max_err_vs_ref"] < 3e-2:  # NaN too
+        out8 = f32(fk(q, kv8, bt, lens, sc))
+        row["max_err_vs_ref"] = float(np.max(np.abs(out8 - ref8)))
+        if kw.get("fp8_qk"):  # the exact check: the reference at the kernel's quantized q
+          row["max_err_vs_ref_q8"] = float(np.max(np.abs(out8 - ref8_q8)))
+        if not row["max_err_vs_ref"] < 3e-2 or not row.get("max_err_vs_ref_q8", 0.0) < 3e-2:  # NaN too
           row["rejected"] = "error vs the fp8-aware reference"
         elif best is None or row["fp8_ms"] < best[0]:
           best = (row["fp8_ms"], kw)
@@ -657,6 +691,8 @@ def main():
   # ---------------------------------------------------------------- grid: bf16 and fp8 over batch x context
   if section("grid"):
     rows = []
+    if args.grid_groups:
+      groups = tuple(int(x) for x in args.grid_groups.split(","))
     kv, kv8 = get_pool(), get_pool8()
     sc = jnp.full((P_total, 2 * K), 0.01, jnp.float32)
     fb, f8 = bf_kernel(), f8_kernel(**fp8_best)
@@ -698,8 +734,11 @@ def main():
               if fc is not None:
                 row["cand_max_err_vs_ref"] = float(np.max(np.abs(f32(fc(q, kv, bt, lens)) - ref_out)))
               if "fp8_ms" in row:
-                row["fp8_max_err_vs_ref"] = float(np.max(np.abs(f32(f8(q, kv8, bt, lens, sc)) -
-                                                                f32(fr8(q, kv8, bt, lens, sc)))))
+                out8 = f32(f8(q, kv8, bt, lens, sc))
+                row["fp8_max_err_vs_ref"] = float(np.max(np.abs(out8 - f32(fr8(q, kv8, bt, lens, sc)))))
+                if fp8_best.get("fp8_qk", gpu.FP8_QK):
+                  row["fp8_max_err_vs_ref_q8"] = float(np.max(np.abs(out8 - f32(fr8(dequantized_q(q), kv8, bt, lens,
+                                                                                    sc)))))
             except Exception as e:  # noqa: BLE001
               row["ref_error"] = repr(e)[:300]
           rows.append(row)

@@ -70,6 +70,50 @@ def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(monkeypatch, conve
   assert max_err(out, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("converters,dtype,G,kw", [
+    # one warpgroup: fp8 QK^T wgmma straight from the TMA ring, V widened while it runs; window + soft cap, split-K
+    (0, jnp.float8_e4m3fn, 16, dict(splits=2, sliding_window=150, soft_cap=5.0)),
+    # warp-specialized, 1 converter widening V only; a ring slot is refilled after its QK (the kread barriers)
+    (1, jnp.float8_e5m2, 32, dict(splits=1)),
+    # two compute warpgroups sharing the kread / ready / free protocol
+    (1, jnp.float8_e4m3fn, 16, dict(fp8_compute_wgs=2, splits=2)),
+])
+def test_gpu_fp8_qk_matches_reference_at_quantized_q(monkeypatch, converters, dtype, G, kw):
+  """fp8_qk=True quantizes q per row to e4m3 (gpu.quantize_q_rows): the kernel must equal the fp8-aware reference
+  evaluated at that quantized q (to the usual f16/bf16 tolerance), so its distance from the reference at the
+  original q is the q rounding's own effect (bounded by |ref(q8) - ref(q)|) plus that tolerance."""
+  monkeypatch.setattr(gpu_fp8, "DETECT_RACES", converters > 0)
+  rng, seed = fresh_rng()
+  q, kv, bt, lens, sc = random_decode(rng, S=3, K=2, g=4, H=64, G=G, Pmax=max(2, 256 // G), dtype=dtype)
+  out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=converters,
+                                       fp8_qk=True, **kw)
+  for key in ("splits", "fp8_compute_wgs"):
+    kw.pop(key, None)
+  q8, s_q = gpu.quantize_q_rows(q)
+  ref_q8 = pa.paged_decode_attention_reference(q8.astype(jnp.float32) * s_q[..., None], kv, bt, lens,
+                                               kv_scales_PK=sc, **kw)
+  ref = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc, **kw)
+  assert max_err(out, ref_q8) < TOL, f"seed {seed}"
+  assert max_err(out, ref) <= max_err(ref_q8, ref) + TOL, f"seed {seed}"
+
+
+def test_quantize_q_rows_is_e4m3_rounding():
+  """q ~= q8 * s with s = max|row| / 448: each element within half an e4m3 step (2^-4 relative for normals,
+  2^-10 * s absolute for subnormals), the row maximum exact, all-zero rows kept at zero."""
+  rng, seed = fresh_rng()
+  q = rng.standard_normal((3, 5, 64)) * rng.uniform(0.01, 100, (3, 5, 1))
+  q[1, 2] = 0.0
+  q = jnp.asarray(q, jnp.float32)
+  q8, s = gpu.quantize_q_rows(q)
+  assert q8.dtype == jnp.float8_e4m3fn and s.shape == (3, 5)
+  deq = np.asarray(q8.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)[..., None]
+  qn = np.asarray(q, np.float64)
+  bound = np.maximum(np.abs(qn) * 2.0 ** -4, np.asarray(s, np.float64)[..., None] * 2.0 ** -10) * (1 + 1e-6)
+  assert np.all(np.abs(deq - qn) <= bound), f"seed {seed}"
+  np.testing.assert_allclose(np.max(np.abs(deq), -1), np.max(np.abs(qn), -1), rtol=1e-6)
+  assert np.all(deq[1, 2] == 0)
+
+
 def test_gpu_fp8_warp_specialized_refuses_bad_stage_count():
   rng, _ = fresh_rng()
   q, kv, bt, lens, sc = random_decode(rng, S=2, K=2, g=2, H=64, G=16, Pmax=8, dtype=jnp.float8_e4m3fn)
@@ -78,6 +122,9 @@ def test_gpu_fp8_warp_specialized_refuses_bad_stage_count():
   with pytest.raises(common.Unsupported, match="compute_wgs=2 with converters=2"):
     gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=2,
                                    fp8_compute_wgs=2)
+  with pytest.raises(common.Unsupported, match="fp8_qk with compute_wgs=2"):
+    gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=1,
+                                   fp8_compute_wgs=2, fp8_qk=True, stages=3)
 
 
 def test_wave_split_policy_fills_whole_waves():
@@ -140,9 +187,11 @@ def test_gpu_kernels_lower_for_cuda(dtype):
                                                                            splits=splits), q, kv, bt, lens).as_text()
     assert "mosaic_gpu" in txt
   if dtype != jnp.bfloat16:  # the warp-specialized fp8 kernel (1-3 converter warpgroups)
-    for conv, splits, cw in ((1, 8, 1), (2, 1, 1), (3, 8, 1), (1, 1, 2), (1, 8, 2)):
+    for conv, splits, cw, qk8 in ((1, 8, 1, False), (2, 1, 1, False), (3, 8, 1, False), (1, 1, 2, False),
+                                  (1, 8, 2, False), (0, 8, 1, True), (1, 8, 1, True),
+                                  (2, 1, 1, True), (1, 8, 2, True)):
       txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(
-          q, kv, bt, lens, kv_scales_PK=sc, splits=splits, fp8_converters=conv, fp8_compute_wgs=cw),
+          q, kv, bt, lens, kv_scales_PK=sc, splits=splits, fp8_converters=conv, fp8_compute_wgs=cw, fp8_qk=qk8),
           q, kv, bt, lens).as_text()
       assert "mosaic_gpu" in txt
   qT, cu = sd((300, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)

@@ -17,7 +17,8 @@ Design notes
 - fp8 pools: TMA brings fp8 bytes; the kernel converts them to f16 (exact, and the only conversion Hopper
   has in hardware) through registers into an f16 staging tile, runs the wgmmas in f16 (q is cast to f16:
   |q| must stay below 65504), and applies the per-(page, head) scales to the logits (K) and to the
-  probabilities (V).
+  probabilities (V). With fp8_qk (opt-in) only V is converted: QK^T is an fp8 wgmma on the ring's K bytes
+  and an e4m3 copy of q (per-row scales, folded into the logit scale).
 - Masking uses logical token positions (sparse attention passes a per-(s, k) list of selected pages and
   their logical page numbers); masked logits are -inf, m starts finite, so empty programs give l = 0.
 - Pool content at positions >= kv_len must be finite (a zero-initialized pool and write_kv ensure it): a
@@ -29,7 +30,9 @@ reads KV at 78-105% of the copy ceiling from batch 8 x 1k up (batch 32 x 1k: 91%
 94%), 1.0-1.33x faster than the previous defaults (128 x 2, "sms2") and 1.6-1.9x faster than JAX's deprecated
 Triton paged_attention (run C). Batch 1 stays latency-bound (14-77%). fp8 pools run in gpu_fp8.py's
 warp-specialized kernel: 0.64x the previous fp8 time, but still 1.09-1.38x the bf16 time (goal <= 0.6x NOT
-met; see gpu_fp8.py for what limits it).
+met; see gpu_fp8.py for what limits it). Built after run D and NOT measured yet (no device time left in session
+3): fp8_qk=True (FP8_QK, default off) runs QK^T as an fp8 wgmma with q quantized per row to e4m3, widening only V,
+in both fp8 kernels (see gpu_fp8.py); the default stays the exact f16 path until a run shows it faster.
 """
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ class KernelConfig:
   converters: int = 0  # fp8 decode: > 0 runs the warp-specialized kernel (gpu_fp8.py) with this many converter WGs
   fp8_bits: bool = False  # warp-specialized kernel: widen fp8 with integer bit ops (H-permuted tiles, gpu_fp8.py)
   compute_wgs: int = 1  # warp-specialized kernel: compute warpgroups on alternate steps (each one split-K partial)
+  qk8: bool = False  # fp8 decode: QK^T as an fp8 wgmma (q quantized per row to e4m3 by the wrapper); only V widened
 
   @property
   def R(self):  # q rows loaded per program (decode)
@@ -113,13 +117,14 @@ def _tiles(dtype, minor=128):
 
 
 def ring_scratch(cfg):
-  """Shared-memory types of the K/V ring: (k, v, kq, vq, p); None where unused."""
+  """Shared-memory types of the K/V ring: (k, v, kq, vq, p); None where unused (qk8: K is read as fp8, no f16 K)."""
   cdt, H = cfg.compute_dtype, cfg.H
   ring = (cfg.stages, cfg.BK, H)
   p = plgpu.SMEM((ROWS, cfg.BK), cdt, transforms=_tiles(cdt)) if cfg.p_via_smem else None
   if cfg.fp8:
     pool_dt = jnp.dtype(cfg.fp8)
-    return (plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)), plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
+    k16 = None if cfg.qk8 else plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt))
+    return (k16, plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
             plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
             plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)), p)
   return (plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), None, None, p)
@@ -129,19 +134,23 @@ SMEM_LIMIT = 220 * 1024
 FP8_CONVERTERS = 1  # converter warpgroups for fp8 decode (0: inline conversion); H200 run D: 1 converter,
 #                    128-token steps x 2 stages = 0.64x the inline kernel's time at batch 8 x 8k
 FP8_COMPUTE_WGS = 1  # compute warpgroups of the warp-specialized fp8 kernel (2: opt-in, not measured yet)
+FP8_QK = False  # fp8 decode: True runs QK^T as an fp8 wgmma on the stored K bytes with q quantized per row to
+#                 e4m3 (scale folded into the logit scale), widening only V; False = exact f16 path (q in f16)
 FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops,
 #                      1.4-1.6x slower than cvt on the H200, run D)
 SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape (runs C, D)
 
 
-def smem_bytes(BK, H, stages, fp8, p_via_smem=False):
+def smem_bytes(BK, H, stages, fp8, p_via_smem=False, qk8=False):
   """Estimate of the kernel's shared memory: q tile + max(ring scope, output staging)."""
-  ring = stages * 2 * BK * H * (1 if fp8 else 2) + (2 * BK * H * 2 if fp8 else 0) + (ROWS * BK * 2 if p_via_smem else 0)
+  staged = (1 if qk8 else 2) if fp8 else 0  # f16 staging tiles (V only with qk8)
+  ring = stages * 2 * BK * H * (1 if fp8 else 2) + staged * BK * H * 2 + (ROWS * BK * 2 if p_via_smem else 0)
   out = ROWS * H * 4 + 2 * ROWS * 4
-  return ROWS * H * 2 + max(ring, out) + 1024
+  q = ROWS * H + ROWS * 4 if qk8 else ROWS * H * 2
+  return q + max(ring, out) + 1024
 
 
-def choose_block(G: int, H: int, fp8: bool, ragged: bool = False) -> tuple[int, int]:
+def choose_block(G: int, H: int, fp8: bool, ragged: bool = False, qk8: bool = False) -> tuple[int, int]:
   """(BK tokens per step, stages) of the one-warpgroup kernel, from the H200 runs (benchmarks/RESULTS.md).
 
   bf16 decode: 64-token steps x 2 stages (~81 KiB of shared memory, two CTAs per SM, so one CTA's prologue and
@@ -156,7 +165,7 @@ def choose_block(G: int, H: int, fp8: bool, ragged: bool = False) -> tuple[int, 
     BK, stages = 128, 2
   else:
     BK, stages = 64, 2
-  while stages > 2 and smem_bytes(BK, H, stages, fp8) > SMEM_LIMIT:
+  while stages > 2 and smem_bytes(BK, H, stages, fp8, qk8=qk8) > SMEM_LIMIT:
     stages -= 1
   return BK, stages
 
@@ -270,10 +279,12 @@ def _kernel(cfg: KernelConfig, *refs):
   nsel_ref = next(it) if cfg.sparse else None
   lp_ref = next(it) if cfg.sparse else None
   sc_ref = next(it) if cfg.fp8 else None
+  qs_ref = next(it) if cfg.qk8 else None
   o_ref = next(it)
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
   q_smem, bars, q_bar = next(it), next(it), next(it)
+  qs_smem = next(it) if cfg.qk8 else None
 
   G, BK, spp, g = cfg.G, cfg.BK, cfg.spp, cfg.g
   cdt = cfg.compute_dtype
@@ -304,6 +315,8 @@ def _kernel(cfg: KernelConfig, *refs):
       plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
     else:
       plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+    if cfg.qk8:  # per-row q scales (x softmax scale), padded by the wrapper to >= 64 entries
+      plgpu.copy_gmem_to_smem(qs_ref.at[s, pl.ds(r0, ROWS)], qs_smem, q_bar)
 
   # The K/V ring (and fp8/p staging) lives in a scope that closes before the output staging is allocated, so
   # the two share shared memory.
@@ -333,6 +346,8 @@ def _kernel(cfg: KernelConfig, *refs):
         issue(b_lo + i, i)
 
     plgpu.barrier_wait(q_bar)
+    if cfg.qk8:
+      qs_row = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
     if cfg.ragged:
@@ -352,7 +367,9 @@ def _kernel(cfg: KernelConfig, *refs):
         v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
       plgpu.barrier_wait(bars.at[slot])
 
-      if cfg.fp8:
+      if cfg.qk8:  # K stays fp8 (the wgmma reads the ring slot); V is widened while the QK wgmma runs
+        kslot, vslot = kq_smem.at[slot], v_smem
+      elif cfg.fp8:
         kslot, vslot = k_smem, v_smem
         kslot[...] = kq_smem[slot].astype(cdt)
         vslot[...] = vq_smem[slot].astype(cdt)
@@ -362,6 +379,9 @@ def _kernel(cfg: KernelConfig, *refs):
 
       def qk_fn(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kslot.transpose((1, 0)))
+        if cfg.qk8:
+          vslot[...] = vq_smem[slot].astype(cdt)
+          plgpu.commit_smem()
         return acc_ref[...]
       logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
 
@@ -370,9 +390,12 @@ def _kernel(cfg: KernelConfig, *refs):
       if cfg.fp8:
         ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
 
-      logits = logits * cfg.scale
-      if cfg.fp8:
-        logits = logits * ksc
+      if cfg.qk8:  # the wrapper folded the softmax scale into the per-row q scales
+        logits = logits * lax.broadcast_in_dim(qs_row, logits.shape, [0]) * ksc
+      else:
+        logits = logits * cfg.scale
+        if cfg.fp8:
+          logits = logits * ksc
       p, m_new, l_i, acc = online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc,
                                                qpos if cfg.ragged else None)
       if cfg.fp8:
@@ -426,18 +449,30 @@ def _kernel(cfg: KernelConfig, *refs):
   pl.run_scoped(store, plgpu.SMEM((ROWS, cfg.H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32))
 
 
-def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, interpret=False):
+def q_scratch(cfg):
+  """Shared-memory type of the 64-row q tile: f16/bf16, or (qk8) e4m3 with the fp8 ring's tiling."""
+  if cfg.qk8:
+    f8 = jnp.dtype(jnp.float8_e4m3fn)
+    return plgpu.SMEM((ROWS, cfg.H), f8, transforms=_tiles(f8, cfg.H))
+  return plgpu.SMEM((ROWS, cfg.H), cfg.compute_dtype, transforms=_tiles(cfg.compute_dtype))
+
+
+def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, interpret=False,
+                q_scales=None):
   """Runs the kernel. Decode returns [S, N, H] (splits == 1) or partials (o [Sp, S, N, H], m, l [Sp, S, K, 64]);
-  ragged (q = [NT, K, 64, H] tile-major, extra = (tile_info,)) returns per-tile outputs [NT, K, 64, H]."""
+  ragged (q = [NT, K, 64, H] tile-major, extra = (tile_info,)) returns per-tile outputs [NT, K, 64, H].
+  qk8: q is e4m3 [S, N, H] and q_scales f32 [S, >= max(N, 64)] (per-row scale x softmax scale)."""
   if cfg.converters:
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
     return gpu_fp8.kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, scales, converters=cfg.converters,
-                                  interpret=interpret)
+                                  interpret=interpret, q_scales=q_scales)
   H = cfg.H
-  cdt = cfg.compute_dtype
   arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
-  scratch = [plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt)),
-             plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages), plgpu.Barrier(num_arrivals=1)]
+  scratch = [q_scratch(cfg),
+             plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages),
+             plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 1)]
+  if cfg.qk8:
+    scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
 
   S, N, K = cfg.S, cfg.N, cfg.K
   if cfg.ragged:
@@ -454,6 +489,8 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   inputs = [q, kv_pages_PGKH, bt, kv_lens_S, *extra]
   if cfg.fp8:
     inputs.append(scales)
+  if cfg.qk8:
+    inputs.append(q_scales)
   call = plgpu.kernel(
       functools.partial(_kernel, cfg),
       out_type=out_type,
@@ -499,7 +536,7 @@ def combine_splits(o_part, m_part, l_part, K, g):
 
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
                 sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
-                fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None):
+                fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None):
   S, N, H = q_shape
   P, G, K2, _ = pool_shape
   K = K2 // 2
@@ -510,25 +547,27 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   split_policy = SPLIT_POLICY if split_policy is None else split_policy
   converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
   compute_wgs = (FP8_COMPUTE_WGS if fp8_compute_wgs is None else int(fp8_compute_wgs)) if converters else 1
+  qk8 = bool(FP8_QK if fp8_qk is None else fp8_qk) and fp8 and not ragged_tiles
   if converters and block_kv is None and stages is None:
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
-    bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs)
-    if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters, compute_wgs) > SMEM_LIMIT:
+    bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs, qk8)
+    if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters, compute_wgs, qk8) > SMEM_LIMIT:
       converters, compute_wgs = 0, 1  # e.g. H = 256: the f16 staging does not fit; the inline kernel does
   fp8_convert = FP8_CONVERT if fp8_convert is None else fp8_convert
   if fp8_convert not in ("cvt", "bits"):
     raise ValueError(f"fp8_convert must be 'cvt' or 'bits', got {fp8_convert!r}")
-  fp8_bits = bool(converters) and fp8_convert == "bits" and H % 128 == 0  # halves = whole swizzle tiles
+  fp8_bits = bool(converters) and fp8_convert == "bits" and H % 128 == 0 and not qk8  # halves = whole swizzle tiles
   if converters:
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
-    BK, st = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs)
+    BK, st = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs, qk8)
   else:
-    BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles))
+    BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles), qk8=qk8)
   BK = block_kv or BK
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
     raise Unsupported(f"block_kv={BK} must be a multiple of 64 that divides or is divided by page size {G}")
-  need = gpu_fp8.smem_bytes_ws(BK, H, stages, converters, compute_wgs) if converters else smem_bytes(BK, H, stages, fp8)
+  need = (gpu_fp8.smem_bytes_ws(BK, H, stages, converters, compute_wgs, qk8) if converters
+          else smem_bytes(BK, H, stages, fp8, qk8=qk8))
   if need > SMEM_LIMIT:
     raise Unsupported(f"block_kv={BK} x stages={stages} needs ~{need} bytes of shared memory (limit {SMEM_LIMIT})")
   N_pad = N + (-N % 8)
@@ -553,7 +592,8 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
                       fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
                       soft_cap=None if soft_cap is None else float(soft_cap),
                       window=None if sliding_window is None else int(sliding_window), out_dtype=out_dtype,
-                      p_via_smem=p_via_smem, converters=converters, fp8_bits=fp8_bits, compute_wgs=compute_wgs)
+                      p_via_smem=p_via_smem, converters=converters, fp8_bits=fp8_bits, compute_wgs=compute_wgs,
+                      qk8=qk8)
 
 
 def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
@@ -581,9 +621,32 @@ def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
   return best
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_q_rows(q_SNH):
+  """Per-row (sequence, head) e4m3 quantization of q for the fp8 QK^T wgmma: q ~= q8 * s.
+
+  s = max|q_row| / 448 (1 for an all-zero row), q8 = round-to-nearest-even(q / s) in e4m3fn. The e4m3 rounding
+  (3 mantissa bits: relative error <= 2^-4 per element) is the accuracy cost of FP8_QK; the kernel's result
+  equals the fp8-aware reference evaluated at q8 * s (tests/test_paged_attention_gpu.py).
+  Returns (q8 [S, N, H] float8_e4m3fn, s [S, N] float32).
+  """
+  q = q_SNH.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=-1)
+  s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  q8 = jnp.clip(q / s[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return q8, s
+
+
 def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK, interpret):
   S, N, H = q_SNH.shape
-  q = q_SNH.astype(cfg.compute_dtype)
+  q_scales = None
+  if cfg.qk8:
+    q, s_q = quantize_q_rows(q_SNH)
+    q_scales = jnp.pad(s_q * cfg.scale, ((0, 0), (0, max(cfg.N, ROWS) - N)))  # the kernel loads 64-row windows
+  else:
+    q = q_SNH.astype(cfg.compute_dtype)
   if cfg.N != N:
     q = jnp.pad(q, ((0, 0), (0, cfg.N - N), (0, 0)))
   extra = (nsel, lp) if cfg.sparse else ()
@@ -591,7 +654,8 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
     perm = gpu_fp8.widen_permutation(H)
     q = q[..., perm]
-  res = kernel_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, kv_scales_PK, interpret=interpret)
+  res = kernel_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, kv_scales_PK, interpret=interpret,
+                    q_scales=q_scales)
   if cfg.final:
     out = res
   else:
@@ -604,17 +668,19 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
                                              "interpret", "fp8_converters", "split_policy", "fp8_convert",
-                                             "fp8_compute_wgs"))
+                                             "fp8_compute_wgs", "fp8_qk"))
 def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                                sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
                                interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None,
-                               fp8_compute_wgs=None):
+                               fp8_compute_wgs=None, fp8_qk=None):
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
 
   fp8_converters: fp8 pools only; 0 = conversion inline in the one warpgroup, > 0 = warp-specialized kernel
   (gpu_fp8.py) with that many converter warpgroups; None = FP8_CONVERTERS. split_policy: see choose_splits;
   None = SPLIT_POLICY. fp8_convert: "cvt" | "bits" widening in the warp-specialized kernel; None = FP8_CONVERT.
   fp8_compute_wgs: 1 | 2 compute warpgroups in the warp-specialized kernel; None = FP8_COMPUTE_WGS.
+  fp8_qk: fp8 pools only; True = QK^T as an fp8 wgmma with q quantized per row to e4m3 (quantize_q_rows; only V
+  is widened), False = exact f16 path; None = FP8_QK.
   """
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
@@ -622,7 +688,7 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
                            p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy,
-                           fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs)
+                           fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 

@@ -33,6 +33,20 @@ fp8_compute_wgs=2 (opt-in, NOT measured on the GPU yet: the device allowance was
 two compute warpgroups take alternate steps (steps i % 2 == c), each with its own acc/m/l, and each writes its
 own split-K partial (so the existing combine merges them); one converter feeds both. Checked in the GPU
 interpreter with its race detector and lowered for cuda (tests/test_paged_attention_gpu.py).
+
+fp8_qk=True (cfg.qk8; opt-in, gpu.FP8_QK, NOT measured on the GPU yet: session 3's device time was spent before
+the run) removes half of the conversion: Mosaic GPU's wgmma takes e4m3/e5m2 operands with f32 accumulation when
+both are K-major, which q [rows, H] and a K page [tokens, H] are for Q.K^T. The wrapper quantizes q per row to
+e4m3 (gpu.quantize_q_rows; the row scale times the softmax scale multiplies the logits), the compute warpgroup
+runs QK^T on the fp8 K bytes straight from the TMA ring, and the converters widen only V (V is [tokens, H], i.e.
+N-major for P.V, which 8-bit wgmma cannot take without a transpose). Because the ring slot is now read by the
+compute warpgroup, a `kread` barrier per slot tells the converter when it may be refilled (the converter refills
+step i's slot while starting step i + C, so the wait is normally already satisfied); with no f16 K staging the
+default ring doubles (128-token steps x 4 stages). The same option exists in gpu.py's one-warpgroup kernel, where
+the V conversion runs while the QK wgmma is in flight and the smaller shared-memory footprint (64 x 3: ~73 KiB)
+allows three CTAs per SM. Accuracy: the result equals the fp8-aware reference evaluated at the quantized q (tests);
+against the reference at the original q it adds the e4m3 rounding of q (<= 2^-4 relative per element), about the
+size of the error the e4m3 K already has (a few 1e-4 .. 1e-3 absolute on unit-scale outputs in the CPU tests).
 """
 from __future__ import annotations
 
@@ -47,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu import M_INIT, ROWS, _tiles, block_walk, column_positions, online_softmax_step, page_columns
+from .gpu import M_INIT, ROWS, _tiles, block_walk, column_positions, online_softmax_step, page_columns, q_scratch
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -59,11 +73,13 @@ def staging_slots(converters, compute_wgs=1):
   return n * max(1, -(-2 // n))
 
 
-def smem_bytes_ws(BK, H, stages, converters, compute_wgs=1):
-  """Estimate: q tile + fp8 ring + union(f16 staging, output staging per compute warpgroup) + barriers."""
-  staging = staging_slots(converters, compute_wgs) * 2 * BK * H * 2
+def smem_bytes_ws(BK, H, stages, converters, compute_wgs=1, qk8=False):
+  """Estimate: q tile + fp8 ring + union(f16 staging, output staging per compute warpgroup) + barriers.
+  qk8: e4m3 q tile + its row scales, and only V is staged in f16."""
+  staging = staging_slots(converters, compute_wgs) * (1 if qk8 else 2) * BK * H * 2
   out = compute_wgs * (ROWS * H * 4 + 2 * ROWS * 4)
-  return ROWS * H * 2 + stages * 2 * BK * H + max(staging, out) + 1024
+  q = ROWS * H + ROWS * 4 if qk8 else ROWS * H * 2
+  return q + stages * 2 * BK * H + max(staging, out) + 1024
 
 
 def check_ws(cfg, converters):
@@ -74,6 +90,9 @@ def check_ws(cfg, converters):
   if cfg.compute_wgs not in (1, 2) or (cfg.compute_wgs == 2 and converters != 1):
     raise common.Unsupported(f"compute_wgs={cfg.compute_wgs} with converters={converters}: supported are 1 compute "
                              "warpgroup with 1-3 converters, or 2 compute warpgroups with 1 converter")
+  if cfg.qk8 and cfg.stages % cfg.compute_wgs:  # each compute warpgroup waits on the TMA barriers of its own slots
+    raise common.Unsupported(f"fp8_qk with compute_wgs={cfg.compute_wgs} needs stages={cfg.stages} to be a multiple "
+                             "of it")
 
 
 E4M3_BITS_FACTOR = 256.0  # the e4m3 bit trick yields value x 2^-8
@@ -126,6 +145,7 @@ def _kernel_ws(cfg, C, *refs):
   nsel_ref = next(it) if cfg.sparse else None
   lp_ref = next(it) if cfg.sparse else None
   sc_ref = next(it)
+  qs_ref = next(it) if cfg.qk8 else None
   o_ref = next(it)
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
@@ -133,8 +153,14 @@ def _kernel_ws(cfg, C, *refs):
   Q = cfg.compute_wgs
   done_bar = next(it) if Q > 1 else None
   p_smem = next(it) if cfg.p_via_smem else None
+  qs_smem = next(it) if cfg.qk8 else None
+  kread_bars = next(it) if cfg.qk8 else None  # qk8: compute has read ring slot's K (the QK wgmma finished)
   (kq_smem, vq_smem), (kq32, vq32) = ring
-  (k16, v16), (k32, v32), (o_all, ml_all) = union
+  union = list(union)
+  staged16 = union[0]  # (k16, v16), or (v16,) with qk8
+  k16, v16 = (None, staged16[0]) if cfg.qk8 else staged16
+  k32, v32 = union[1] if cfg.fp8_bits else (None, None)
+  o_all, ml_all = union[-1]
 
   G, BK, spp, g = cfg.G, cfg.BK, cfg.spp, cfg.g
   cdt = jnp.dtype(jnp.float16)
@@ -173,12 +199,26 @@ def _kernel_ws(cfg, C, *refs):
 
     n_mine = jnp.maximum(n_steps - j + C - 1, 0) // C
 
+    def refill_after_kread(i):
+      """qk8: ring slot of step i is free once the compute warpgroup's QK wgmma of step i is done."""
+      slot = lax.rem(i, cfg.stages)
+      plgpu.barrier_wait(kread_bars.at[slot])
+
+      @pl.when(i + cfg.stages < n_steps)
+      def _():
+        issue(b_lo + i + cfg.stages, slot, block_pages(b_lo + i + cfg.stages))
+
     def body(t, _):
       i = j + t * C
       b = b_lo + i
       slot = lax.rem(i, cfg.stages)
       fslot = lax.rem(i, F)
-      next_pages = block_pages(b + cfg.stages)
+      if cfg.qk8:  # refill the previous step's slot first (its K was read long ago), then convert this step's V
+        @pl.when(t > 0)
+        def _():
+          refill_after_kread(i - C)
+      else:
+        next_pages = block_pages(b + cfg.stages)
       plgpu.barrier_wait(tma_bars.at[slot])
 
       @pl.when(i >= F)
@@ -188,18 +228,25 @@ def _kernel_ws(cfg, C, *refs):
       if cfg.fp8_bits:
         _widen_bits(kq32.at[slot], k32.at[fslot], cfg.fp8)
         _widen_bits(vq32.at[slot], v32.at[fslot], cfg.fp8)
+      elif cfg.qk8:
+        v16.at[fslot][...] = vq_smem[slot].astype(cdt)
       else:
         k16.at[fslot][...] = kq_smem[slot].astype(cdt)
         v16.at[fslot][...] = vq_smem[slot].astype(cdt)
       plgpu.commit_smem()  # fence + warpgroup barrier: the f16 tiles are visible to wgmma, the fp8 slot is read
       plgpu.barrier_arrive(ready_bars.at[fslot])
 
-      @pl.when(i + cfg.stages < n_steps)
-      def _():
-        issue(b + cfg.stages, slot, next_pages)
+      if not cfg.qk8:
+        @pl.when(i + cfg.stages < n_steps)
+        def _():
+          issue(b + cfg.stages, slot, next_pages)
       return ()
 
     lax.fori_loop(0, n_mine, body, ())
+    if cfg.qk8:  # the last step's kread (no refill left; observed so every phase is waited)
+      @pl.when(n_mine > 0)
+      def _():
+        refill_after_kread(j + (n_mine - 1) * C)
 
     # Observe the last `free` of each staging slot this converter filled (the interpreter requires every phase
     # of a barrier a thread waits on to be observed; on hardware it also keeps the staging tiles, which the
@@ -222,6 +269,8 @@ def _kernel_ws(cfg, C, *refs):
         plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
       else:
         plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+      if cfg.qk8:
+        plgpu.copy_gmem_to_smem(qs_ref.at[s, pl.ds(r0, ROWS)], qs_smem, q_bar)
 
     if Q > 1:
       pl.when(c == 0)(load_q)  # one q load, shared by the compute warpgroups
@@ -229,6 +278,8 @@ def _kernel_ws(cfg, C, *refs):
       load_q()
     local = k * g - r0
     plgpu.barrier_wait(q_bar)
+    if cfg.qk8:
+      qs_row = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(1))
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
 
     def body(t, carry):
@@ -240,16 +291,25 @@ def _kernel_ws(cfg, C, *refs):
       k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
       v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
       plgpu.barrier_wait(ready_bars.at[fslot])
+      slot = lax.rem(i, cfg.stages)
+      if cfg.qk8:  # the wgmma reads the TMA'd K bytes itself: observe their arrival here too (already complete)
+        plgpu.barrier_wait(tma_bars.at[slot])
+      kop = kq_smem.at[slot] if cfg.qk8 else k16.at[fslot]  # qk8: the fp8 K bytes straight from the TMA ring
 
       def qk_fn(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k16.at[fslot].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, kop.transpose((1, 0)))
         return acc_ref[...]
       logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
+      if cfg.qk8:
+        plgpu.barrier_arrive(kread_bars.at[slot])
 
       pos = column_positions(cfg, b, col, logical_page)
       ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
 
-      logits = logits * (cfg.scale * widen) * ksc
+      if cfg.qk8:  # per-row q scale x softmax scale (the wrapper folded them)
+        logits = logits * lax.broadcast_in_dim(qs_row, logits.shape, [0]) * ksc
+      else:
+        logits = logits * (cfg.scale * widen) * ksc
       p, m_new, l_i, acc = online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc)
       p16 = (p * vsc).astype(cdt)
       if p_smem is not None:  # the interpreter needs the wgmma A operand in shared memory (one per compute WG)
@@ -296,7 +356,8 @@ def _kernel_ws(cfg, C, *refs):
     plgpu.wait_smem_to_gmem(0)
 
 
-def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, converters=2, interpret=False):
+def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, converters=2, interpret=False,
+                   q_scales=None):
   """Same contract as gpu.kernel_call for fp8 decode configs (dense or sparse)."""
   check_ws(cfg, converters)
   Q = cfg.compute_wgs
@@ -309,8 +370,13 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   arrivals = 2 * cfg.ppb if cfg.spp == 1 else 2
   u32 = jnp.dtype(jnp.uint32)
   ring32 = (cfg.stages, BK, H // 4)
+  staged = (("v",) if cfg.qk8 else ("k", "v"))
+  union = [tuple(plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt)) for _ in staged)]
+  if cfg.fp8_bits:  # 32-bit-word views of the same staging bytes, for the integer widening
+    union.append(tuple(plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2)) for _ in staged))
+  union.append((plgpu.SMEM((Q, ROWS, H), out_dtype), plgpu.SMEM((Q, 2, ROWS), jnp.float32)))
   scratch = [
-      plgpu.SMEM((ROWS, H), cdt, transforms=_tiles(cdt)),
+      q_scratch(cfg),
       # fp8 ring, and its 32-bit-word view (same bytes: 8-row tiles of H bytes, same swizzle) for the bit trick
       plgpu.RefUnion(
           (plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
@@ -318,22 +384,18 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
           (plgpu.SMEM(ring32, u32, transforms=_tiles(u32, H // 4)),
            plgpu.SMEM(ring32, u32, transforms=_tiles(u32, H // 4))),
       ),
-      plgpu.RefUnion(
-          (plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt)),
-           plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt))),
-          (plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2)),
-           plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2))),
-          (plgpu.SMEM((Q, ROWS, H), out_dtype), plgpu.SMEM((Q, 2, ROWS), jnp.float32)),
-      ),
+      plgpu.RefUnion(*union),
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=1, num_barriers=STAGING),
       plgpu.Barrier(num_arrivals=1, num_barriers=STAGING),
-      plgpu.Barrier(num_arrivals=1),
+      plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 1),
   ]
   if Q > 1:
     scratch.append(plgpu.Barrier(num_arrivals=Q))
   if cfg.p_via_smem:
     scratch.append(plgpu.SMEM((Q, ROWS, BK), cdt, transforms=_tiles(cdt)))
+  if cfg.qk8:
+    scratch += [plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages)]
   grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")
   if cfg.final:
     out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
@@ -353,19 +415,22 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=(plgpu.InterpretGPUParams(detect_races=DETECT_RACES) if DETECT_RACES else plgpu.InterpretGPUParams()) if interpret else None,
   )
-  res = call(q, kv_pages_PGKH, bt, kv_lens_S, *extra, scales)
+  res = call(q, kv_pages_PGKH, bt, kv_lens_S, *extra, scales, *([q_scales] if cfg.qk8 else []))
   return res[0] if cfg.final else res
 
 
-def choose_block_ws(G, H, converters, compute_wgs=1):
+def choose_block_ws(G, H, converters, compute_wgs=1, qk8=False):
   """(BK, stages) defaults for the warp-specialized kernel. H200 run D, batch 8 x 8k: one converter with
-  128-token steps x 2 stages 0.074 ms, two converters x 64 x 4 0.085, three 0.085 (run C)."""
+  128-token steps x 2 stages 0.074 ms, two converters x 64 x 4 0.085, three 0.085 (run C).
+  qk8 (no f16 K staging; a ring slot is refilled only after the QK of its step): 4 stages."""
   if converters == 1:
     BK, stages = min(G, 128) if G > 64 else 128, 2
   else:
     BK, stages = (64 if G <= 64 else min(G, 128)), 2 * converters
   if compute_wgs > 1:  # two compute warpgroups: 64-token steps, 2 fp8 slots, 2 staging slots
     BK, stages = (64 if G <= 64 else min(G, 128)), 2
-  while stages > converters and smem_bytes_ws(BK, H, stages, converters, compute_wgs) > 220 * 1024:
+  if qk8:
+    stages = 2 * stages
+  while stages > converters and smem_bytes_ws(BK, H, stages, converters, compute_wgs, qk8) > 220 * 1024:
     stages -= converters
   return BK, stages

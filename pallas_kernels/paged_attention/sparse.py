@@ -163,7 +163,7 @@ def paged_sparse_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens
     if which.startswith("gpu"):
       out = _sparse_gpu(q_SNH, kv_pages_PGKH, phys, logical, count, kv_lens_S, interpret=which.endswith("interpret"),
                         fp8_converters=gpu.FP8_CONVERTERS, fp8_convert=gpu.FP8_CONVERT,
-                        fp8_compute_wgs=gpu.FP8_COMPUTE_WGS, **kw)
+                        fp8_compute_wgs=gpu.FP8_COMPUTE_WGS, fp8_qk=gpu.FP8_QK, **kw)
     elif which.startswith("tpu"):
       out = tpu.decode_core(q_SNH, kv_pages_PGKH, phys, kv_lens_S, kv_scales_PK, count, logical, scale=scale,
                             soft_cap=soft_cap, interpret=which.endswith("interpret"))
@@ -175,12 +175,12 @@ def paged_sparse_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "interpret", "fp8_converters", "fp8_convert",
-                                             "fp8_compute_wgs"))
+                                             "fp8_compute_wgs", "fp8_qk"))
 def _sparse_gpu(q_SNH, kv_pages_PGKH, phys, logical, count, kv_lens_S, *, scale, soft_cap, kv_scales_PK, interpret,
-                fp8_converters=None, fp8_convert=None, fp8_compute_wgs=None):
+                fp8_converters=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None):
   S, N, H = q_SNH.shape
   cfg = gpu.make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, phys.shape[-1],
                         scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=None, sparse=True,
                         out_dtype=jnp.dtype(q_SNH.dtype).name, p_via_smem=interpret, fp8_converters=fp8_converters,
-                        fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs)
+                        fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk)
   return gpu._run_decode(cfg, q_SNH, kv_pages_PGKH, phys, kv_lens_S, count, logical, kv_scales_PK, interpret)

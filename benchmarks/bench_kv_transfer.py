@@ -16,6 +16,7 @@ compared with the sender's) and the pool write, up to the acknowledgement. Varia
 - ``shm/<copier>``: the same-host shared-memory data plane (``cupy``: segment pinned with cudaHostRegister, one DMA
   each way per chunk, all queued at once; ``jax-pinned``: pinned_host arrays + threaded memcpy), default chunking
   (about 16 chunks of 8-64 MiB), and ``shm/<copier>/<MB>`` with fixed chunks of that size (``--shm-chunk-mb``);
+- ``.../1call`` (``--one-call``): announce and chunks on one ``Transfer`` call instead of Announce + PushKV;
 - ``grpc/raw`` and ``grpc/splitzip``: the pages in the gRPC stream (``--grpc-tokens``; slow);
 - ceilings, on the largest transfer's bytes: ``jax.device_put`` to / from ``pinned_host``, cupy memcpy between the
   device and a registered segment (each way, and both ways at once), a device->host copy here while a second process
@@ -368,6 +369,8 @@ def main():
                     "GPU (+ IPC), numpy on CPU")
     ap.add_argument("--shm-chunk-mb", default="", help="extra shm variants with fixed chunks of these MB")
     ap.add_argument("--no-ipc", action="store_true")
+    ap.add_argument("--one-call", action="store_true",
+                    help="also the same-host variants with announce and chunks on one Transfer call (``.../1call``)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
@@ -449,6 +452,10 @@ def main():
                 if copier == "cupy" and not a.no_ipc:
                     plans.append(("ipc", n, dict(ipc=True)))
                 plans.append((f"shm/{copier}", n, dict(ipc=False)))
+                if a.one_call:
+                    if copier == "cupy" and not a.no_ipc:
+                        plans.append(("ipc/1call", n, dict(ipc=True, one_call=True)))
+                    plans.append((f"shm/{copier}/1call", n, dict(ipc=False, one_call=True)))
                 for mb in [int(x) for x in a.shm_chunk_mb.split(",") if x]:
                     plans.append((f"shm/{copier}/{mb}MB", n, dict(ipc=False, fast_chunk_bytes=mb << 20,
                                                                   fast_min_chunk_bytes=mb << 20)))

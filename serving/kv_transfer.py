@@ -316,28 +316,35 @@ class KVReceiver:
 
     # -- RPCs ----------------------------------------------------------------------------------------------
     async def Announce(self, req, context):
+        try:
+            return await self._announce(req)
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+
+    async def _announce(self, req) -> "kvpb.AnnounceResponse":
+        """The late reservation: checks, reserves, grants same-host regions (raises _Abort)."""
         if not isinstance(req, kvpb.AnnounceRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse AnnounceRequest: {req.reason}")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse AnnounceRequest: {req.reason}")
         if req.num_pages < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_pages must be >= 1, got {req.num_pages}")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_pages must be >= 1, got {req.num_pages}")
         if req.layout.dtype != self.dtype.name or tuple(req.layout.shape) != self.page_shape:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"page layout {req.layout.dtype}{list(req.layout.shape)} does not match this "
                                 f"worker's {self.dtype.name}{list(self.page_shape)}")
         if (tuple(req.layout.scales_shape) or None) != self.scales_shape:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"page scales {list(req.layout.scales_shape)} do not match this worker's "
                                 f"{list(self.scales_shape or [])} (fp8 pools need their scales)")
         codec = next((c for c in req.codecs if c in self.codecs), None)
         if codec is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no common codec: sender has {list(req.codecs)}, receiver {self.codecs}")
         try:
             pages = self.pool.reserve(req.num_pages, request_id=req.request_id)      # the late reservation
             if inspect.isawaitable(pages):
                 pages = await pages
         except Exception as e:  # noqa: BLE001 - the pool's own out-of-pages error
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve {req.num_pages} KV pages: {e}")
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve {req.num_pages} KV pages: {e}")
         rid = uuid.uuid4().hex
         res = self._res[rid] = _Reservation(rid, req.request_id, pages, req.num_tokens, codec,
                                             time.monotonic() + self.timeout_s, np.zeros(req.num_pages, bool))
@@ -357,6 +364,47 @@ class KVReceiver:
                                      ipc_offset=res.ipc_offset or 0)
 
     async def PushKV(self, request_iterator, context):
+        try:
+            return await self._push(request_iterator)
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+
+    async def Transfer(self, request_iterator, context):
+        """Announce and PushKV on one call: the announce, its grant, the chunks, the result."""
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty transfer call")
+        try:
+            if not isinstance(first, kvpb.TransferMessage) or first.WhichOneof("kind") != "announce":
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a transfer call starts with its announce")
+            grant = await self._announce(first.announce)
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+        yield kvpb.TransferReply(grant=grant)
+
+        async def chunks():
+            async for m in it:
+                if isinstance(m, kvpb.TransferMessage) and m.WhichOneof("kind") == "chunk":
+                    yield m.chunk
+                elif isinstance(m, kvpb.TransferMessage):
+                    yield _NotAChunk(f"a {m.WhichOneof('kind')} message where a chunk was expected")
+                else:
+                    yield m           # undecodable: _push refuses it with the parser's reason
+        try:
+            result = await self._push(chunks())
+        except BaseException as e:    # also before the first chunk: the grant's reservation goes at once
+            res = self._res.get(grant.reservation_id)
+            if res is not None:
+                self._fail(res, e.message if isinstance(e, _Abort) else f"transfer call broke: {type(e).__name__}")
+            if isinstance(e, _Abort):
+                await context.abort(e.code, e.message)
+            raise
+        yield kvpb.TransferReply(result=result)
+
+    async def _push(self, request_iterator) -> "kvpb.PushResult":
+        """Take a reservation's chunks (raises _Abort, after freeing the reservation)."""
         res: _Reservation | None = None
         done = False
         try:
@@ -397,7 +445,7 @@ class KVReceiver:
         except _Abort as e:
             if res is not None:
                 self._fail(res, e.message)
-            await context.abort(e.code, e.message)
+            raise
         except BaseException as e:  # stream broken / cancelled: the peer is gone
             if res is not None:
                 self._fail(res, f"transfer stream broke: {type(e).__name__}: {e}")
@@ -531,6 +579,13 @@ class KVReceiver:
         return kvpb.ReleaseResponse(released=True)
 
 
+class _NotAChunk:
+    """A message of a transfer call that is not a chunk where one must be (``_push`` refuses it)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -546,6 +601,9 @@ def kv_service_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
         "PushKV": grpc.stream_unary_rpc_method_handler(
             receiver.PushKV, request_deserializer=lenient_deserializer(kvpb.KVChunk),
             response_serializer=kvpb.PushResult.SerializeToString),
+        "Transfer": grpc.stream_stream_rpc_method_handler(
+            receiver.Transfer, request_deserializer=lenient_deserializer(kvpb.TransferMessage),
+            response_serializer=kvpb.TransferReply.SerializeToString),
         "Release": grpc.unary_unary_rpc_method_handler(
             receiver.Release, request_deserializer=lenient_deserializer(kvpb.ReleaseRequest),
             response_serializer=kvpb.ReleaseResponse.SerializeToString),
@@ -610,10 +668,11 @@ class KVSender:
                  timeout_s: float = 30.0, metrics=None, stall_after_chunks: int | None = None,
                  stall_s: float = 3600.0, shm: bool = True, copier: str | kv_shm.HostCopier = "auto",
                  ipc: bool = True, fast_chunk_bytes: int = 64 << 20, fast_min_chunk_bytes: int = 8 << 20,
-                 fast_chunks: int = 16):
+                 fast_chunks: int = 16, one_call: bool = False):
         """``chunk_pages``: pages per chunk in the gRPC stream. Through shared memory a transfer is cut into about
         ``fast_chunks`` chunks of ``fast_min_chunk_bytes``..``fast_chunk_bytes`` (pipelining the two copies); through
-        CUDA IPC it is one chunk (see ``fast_chunk_pages``)."""
+        CUDA IPC it is one chunk (see ``fast_chunk_pages``). ``one_call``: announce and chunks on one ``Transfer``
+        call (one RPC set-up instead of two; same checks and failure handling; off until measured on a GPU)."""
         self.stall_after_chunks, self.stall_s = stall_after_chunks, stall_s
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
@@ -622,7 +681,7 @@ class KVSender:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
         self.codecs, self.chunk_pages, self.timeout_s, self.metrics = list(codecs), chunk_pages, timeout_s, metrics
         self.shm, self._copier, self.ipc, self.fast_chunk_bytes = shm, copier, ipc, fast_chunk_bytes
-        self.fast_min_chunk_bytes, self.fast_chunks = fast_min_chunk_bytes, fast_chunks
+        self.fast_min_chunk_bytes, self.fast_chunks, self.one_call = fast_min_chunk_bytes, fast_chunks, one_call
         p = f"/{KV_SERVICE_NAME}/"
         self._announce = channel.unary_unary(p + "Announce", request_serializer=kvpb.AnnounceRequest.SerializeToString,
                                              response_deserializer=kvpb.AnnounceResponse.FromString)
@@ -630,6 +689,9 @@ class KVSender:
                                           response_deserializer=kvpb.PushResult.FromString)
         self._release = channel.unary_unary(p + "Release", request_serializer=kvpb.ReleaseRequest.SerializeToString,
                                             response_deserializer=kvpb.ReleaseResponse.FromString)
+        self._transfer = channel.stream_stream(p + "Transfer",
+                                               request_serializer=kvpb.TransferMessage.SerializeToString,
+                                               response_deserializer=kvpb.TransferReply.FromString)
 
     @property
     def copier(self) -> kv_shm.HostCopier:
@@ -710,6 +772,17 @@ class KVSender:
         return self._fast_chunks(ann, pages, scales, n, self.fast_chunk_pages(pages, n, ipc=True), sums,
                                  lambda first, m, off: kv_shm.start_copy_to_ipc(pages, first, m, dst_ptr + off), True)
 
+    async def _rest_of_call(self, call, feed, chunks):
+        """The chunks on the ``Transfer`` call, then its result (a status from the receiver as AioRpcError)."""
+        feed.set_result(chunks)
+        reply = await call.read()            # the result, or the receiver's status as AioRpcError
+        if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "result":
+            code = await call.code()
+            if code == grpc.StatusCode.OK:
+                raise TransferError(grpc.StatusCode.INTERNAL, "the transfer call ended without a result")
+            raise TransferError(code, await call.details())
+        return reply.result
+
     async def send(self, request_id: str, pages, num_tokens: int = 0, *, num_pages: int | None = None,
                    scales=None) -> SendStats:
         """Move ``pages`` ([n, *page_shape], host numpy or a device array that may carry padding rows past
@@ -737,15 +810,35 @@ class KVSender:
                 pending = await asyncio.to_thread(_start_checksums, pages, n, sizes)
                 _CHECKSUMS_COMPILED.update(keys)
             marks["checksums_queued"] = time.perf_counter() - t0
+        announce = kvpb.AnnounceRequest(
+            request_id=request_id, num_pages=n, num_tokens=num_tokens,
+            layout=kvpb.PageLayout(dtype=dtype_name, shape=list(pages.shape[1:]),
+                                   scales_shape=[] if scales is None else list(scales.shape[1:])),
+            codecs=self.codecs, host_id=kv_shm.host_id() if self.shm else "", shm=self.shm, ipc=ipc, pid=os.getpid())
+        call = feed = None
         try:
-            ann = await self._announce(kvpb.AnnounceRequest(
-                request_id=request_id, num_pages=n, num_tokens=num_tokens,
-                layout=kvpb.PageLayout(dtype=dtype_name, shape=list(pages.shape[1:]),
-                                       scales_shape=[] if scales is None else list(scales.shape[1:])),
-                codecs=self.codecs, host_id=kv_shm.host_id() if self.shm else "", shm=self.shm, ipc=ipc,
-                pid=os.getpid()),
-                timeout=self.timeout_s)
+            if self.one_call:
+                feed = asyncio.get_running_loop().create_future()     # the chunks, once the grant is in
+
+                async def requests():      # consumed by gRPC (it stops by itself when the receiver ends the call)
+                    yield kvpb.TransferMessage(announce=announce)
+                    chunks = await feed
+                    if chunks is not None:
+                        async for c in chunks:
+                            yield kvpb.TransferMessage(chunk=c)
+                call = self._transfer(requests(), timeout=self.timeout_s)
+                reply = await call.read()
+                if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "grant":
+                    feed.set_result(None)
+                    code = await call.code()
+                    raise TransferError(grpc.StatusCode.INTERNAL if code == grpc.StatusCode.OK else code,
+                                        f"announce of {request_id!r} failed: {await call.details() or 'no grant'}")
+                ann = reply.grant
+            else:
+                ann = await self._announce(announce, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
+            if feed is not None and not feed.done():
+                feed.set_result(None)
             raise TransferError(e.code(), f"announce of {request_id!r} failed: {e.details()}") from None
         t1 = time.perf_counter()
         chunks = None
@@ -768,10 +861,15 @@ class KVSender:
         if chunks is None:
             chunks = self._chunks_async(ann.reservation_id, ann.codec, pages, scales, n)
         try:
-            result = await self._push(chunks, timeout=self.timeout_s)
+            result = await (self._push(chunks, timeout=self.timeout_s) if call is None
+                            else self._rest_of_call(call, feed, chunks))
         except grpc.aio.AioRpcError as e:
             raise TransferError(e.code(), f"transfer of {request_id!r} failed: {e.details()}") from None
         except BaseException:
+            if call is not None:
+                if not feed.done():
+                    feed.set_result(None)
+                call.cancel()
             try:   # our side failed (cancelled, encoder error): tell the decode side now, do not wait for its timeout
                 await asyncio.shield(self._release(kvpb.ReleaseRequest(reservation_id=ann.reservation_id,
                                                                        reason="sender failed"), timeout=5))

@@ -472,3 +472,41 @@ def test_landing_program_views_bytes_and_checksums_every_chunk():
         assert sums == {f: checksum_reference(pages[f:f + m]) for f, m in [(0, 3), (3, 2), (5, 2)]}
     finally:
         seg.close()
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_one_call_transfer_bit_exact_refusals_and_corruption(shm):
+    """Announce + chunks on one Transfer call: bit-exact on the byte path and through shared memory; a refused
+    announce keeps its status; a corrupted chunk is DATA_LOSS and frees the reservation (and region)."""
+    rng = np.random.default_rng()
+    pages = random_pages(7, rng)
+
+    class Corrupting(KVSender):
+        async def _shm_chunks(self, ann, pages, scales, n, seg, sums):
+            async for c in super()._shm_chunks(ann, pages, scales, n, seg, sums):
+                if c.first_page == 3:    # one bit of this chunk, after its copy and checksum
+                    seg.buf[ann.shm_offset + 3 * pages[0].nbytes + 5] ^= 4
+                yield c
+
+        def chunks(self, *a):
+            for c in super().chunks(*a):
+                c.payload = bytes([c.payload[0] ^ 1]) + c.payload[1:]
+                yield c
+
+    async def main():
+        async with receiver_server(shm_bytes=(1 << 20) if shm else 0) as (addr, pool, rx, ev, _), \
+                grpc.aio.insecure_channel(addr) as ch:
+            st = await KVSender(ch, chunk_pages=3, fast_chunk_bytes=0, one_call=True).send("ok", pages, num_tokens=5)
+            assert st.shm == shm and st.raw_bytes == pages.nbytes
+            (rid, ids, ntok), = ev["ready"]
+            assert (rid, ntok) == ("ok", 5) and np.array_equal(pool.data[ids].view(np.uint16), pages.view(np.uint16))
+            pool.free(ids)
+            with pytest.raises(TransferError) as e:       # more pages than the pool has
+                await KVSender(ch, one_call=True).send("big", random_pages(40, rng))
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(TransferError) as e:
+                await Corrupting(ch, chunk_pages=3, fast_chunk_bytes=0, one_call=True).send("bad", pages)
+            assert e.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.message
+            assert pool.num_free == 32 and rx.num_open == 0 and ev["failed"][-1][0] == "bad"
+            assert rx.arena is None or rx.arena.num_regions == 0
+    asyncio.run(main())

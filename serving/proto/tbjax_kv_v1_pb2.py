@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fserving/proto/tbjax_kv_v1.proto\x12\x0btbjax.kv.v1\"@\n\nPageLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\x14\n\x0cscales_shape\x18\x03 \x03(\x05\"\xbd\x01\n\x0f\x41nnounceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.tbjax.kv.v1.PageLayout\x12\x0e\n\x06\x63odecs\x18\x05 \x03(\t\x12\x0f\n\x07host_id\x18\x06 \x01(\t\x12\x0b\n\x03shm\x18\x07 \x01(\x08\x12\x0b\n\x03ipc\x18\x08 \x01(\x08\x12\x0b\n\x03pid\x18\t \x01(\x05\"\x9b\x01\n\x10\x41nnounceResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x12\n\nshm_offset\x18\x05 \x01(\x03\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\x12\x12\n\nipc_offset\x18\x07 \x01(\x03\"\xf3\x01\n\x07KVChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nfirst_page\x18\x02 \x01(\x05\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x12\n\nraw_nbytes\x18\x05 \x01(\x03\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x0e\n\x06in_shm\x18\t \x01(\x08\x12\x12\n\nchecksum64\x18\n \x01(\x06\x12\x0e\n\x06scales\x18\x0b \x01(\x0c\x12\x14\n\x0cscales_crc32\x18\x0c \x01(\x07\x12\x0e\n\x06in_ipc\x18\r \x01(\x08\"u\n\nPushResult\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x05\x12\x11\n\traw_bytes\x18\x03 \x01(\x03\x12\x12\n\nwire_bytes\x18\x04 \x01(\x03\x12\x0b\n\x03shm\x18\x05 \x01(\x08\x12\x0c\n\x04path\x18\x06 \x01(\t\"8\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xd6\x01\n\nKVTransfer\x12G\n\x08\x41nnounce\x12\x1c.tbjax.kv.v1.AnnounceRequest\x1a\x1d.tbjax.kv.v1.AnnounceResponse\x12\x39\n\x06PushKV\x12\x14.tbjax.kv.v1.KVChunk\x1a\x17.tbjax.kv.v1.PushResult(\x01\x12\x44\n\x07Release\x12\x1b.tbjax.kv.v1.ReleaseRequest\x1a\x1c.tbjax.kv.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fserving/proto/tbjax_kv_v1.proto\x12\x0btbjax.kv.v1\"r\n\x0fTransferMessage\x12\x30\n\x08\x61nnounce\x18\x01 \x01(\x0b\x32\x1c.tbjax.kv.v1.AnnounceRequestH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.tbjax.kv.v1.KVChunkH\x00\x42\x06\n\x04kind\"r\n\rTransferReply\x12.\n\x05grant\x18\x01 \x01(\x0b\x32\x1d.tbjax.kv.v1.AnnounceResponseH\x00\x12)\n\x06result\x18\x02 \x01(\x0b\x32\x17.tbjax.kv.v1.PushResultH\x00\x42\x06\n\x04kind\"@\n\nPageLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\x14\n\x0cscales_shape\x18\x03 \x03(\x05\"\xbd\x01\n\x0f\x41nnounceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.tbjax.kv.v1.PageLayout\x12\x0e\n\x06\x63odecs\x18\x05 \x03(\t\x12\x0f\n\x07host_id\x18\x06 \x01(\t\x12\x0b\n\x03shm\x18\x07 \x01(\x08\x12\x0b\n\x03ipc\x18\x08 \x01(\x08\x12\x0b\n\x03pid\x18\t \x01(\x05\"\x9b\x01\n\x10\x41nnounceResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x12\n\nshm_offset\x18\x05 \x01(\x03\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\x12\x12\n\nipc_offset\x18\x07 \x01(\x03\"\xf3\x01\n\x07KVChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nfirst_page\x18\x02 \x01(\x05\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x12\n\nraw_nbytes\x18\x05 \x01(\x03\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x0e\n\x06in_shm\x18\t \x01(\x08\x12\x12\n\nchecksum64\x18\n \x01(\x06\x12\x0e\n\x06scales\x18\x0b \x01(\x0c\x12\x14\n\x0cscales_crc32\x18\x0c \x01(\x07\x12\x0e\n\x06in_ipc\x18\r \x01(\x08\"u\n\nPushResult\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x05\x12\x11\n\traw_bytes\x18\x03 \x01(\x03\x12\x12\n\nwire_bytes\x18\x04 \x01(\x03\x12\x0b\n\x03shm\x18\x05 \x01(\x08\x12\x0c\n\x04path\x18\x06 \x01(\t\"8\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xa0\x02\n\nKVTransfer\x12G\n\x08\x41nnounce\x12\x1c.tbjax.kv.v1.AnnounceRequest\x1a\x1d.tbjax.kv.v1.AnnounceResponse\x12\x39\n\x06PushKV\x12\x14.tbjax.kv.v1.KVChunk\x1a\x17.tbjax.kv.v1.PushResult(\x01\x12\x44\n\x07Release\x12\x1b.tbjax.kv.v1.ReleaseRequest\x1a\x1c.tbjax.kv.v1.ReleaseResponse\x12H\n\x08Transfer\x12\x1c.tbjax.kv.v1.TransferMessage\x1a\x1a.tbjax.kv.v1.TransferReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.tbjax_kv_v1_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAGELAYOUT']._serialized_start=48
-  _globals['_PAGELAYOUT']._serialized_end=112
-  _globals['_ANNOUNCEREQUEST']._serialized_start=115
-  _globals['_ANNOUNCEREQUEST']._serialized_end=304
-  _globals['_ANNOUNCERESPONSE']._serialized_start=307
-  _globals['_ANNOUNCERESPONSE']._serialized_end=462
-  _globals['_KVCHUNK']._serialized_start=465
-  _globals['_KVCHUNK']._serialized_end=708
-  _globals['_PUSHRESULT']._serialized_start=710
-  _globals['_PUSHRESULT']._serialized_end=827
-  _globals['_RELEASEREQUEST']._serialized_start=829
-  _globals['_RELEASEREQUEST']._serialized_end=885
-  _globals['_RELEASERESPONSE']._serialized_start=887
-  _globals['_RELEASERESPONSE']._serialized_end=922
-  _globals['_KVTRANSFER']._serialized_start=925
-  _globals['_KVTRANSFER']._serialized_end=1139
+  _globals['_TRANSFERMESSAGE']._serialized_start=48
+  _globals['_TRANSFERMESSAGE']._serialized_end=162
+  _globals['_TRANSFERREPLY']._serialized_start=164
+  _globals['_TRANSFERREPLY']._serialized_end=278
+  _globals['_PAGELAYOUT']._serialized_start=280
+  _globals['_PAGELAYOUT']._serialized_end=344
+  _globals['_ANNOUNCEREQUEST']._serialized_start=347
+  _globals['_ANNOUNCEREQUEST']._serialized_end=536
+  _globals['_ANNOUNCERESPONSE']._serialized_start=539
+  _globals['_ANNOUNCERESPONSE']._serialized_end=694
+  _globals['_KVCHUNK']._serialized_start=697
+  _globals['_KVCHUNK']._serialized_end=940
+  _globals['_PUSHRESULT']._serialized_start=942
+  _globals['_PUSHRESULT']._serialized_end=1059
+  _globals['_RELEASEREQUEST']._serialized_start=1061
+  _globals['_RELEASEREQUEST']._serialized_end=1117
+  _globals['_RELEASERESPONSE']._serialized_start=1119
+  _globals['_RELEASERESPONSE']._serialized_end=1154
+  _globals['_KVTRANSFER']._serialized_start=1157
+  _globals['_KVTRANSFER']._serialized_end=1445
 # @@protoc_insertion_point(module_scope)

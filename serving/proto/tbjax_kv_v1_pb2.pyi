@@ -6,6 +6,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TransferMessage(_message.Message):
+    __slots__ = ("announce", "chunk")
+    ANNOUNCE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    announce: AnnounceRequest
+    chunk: KVChunk
+    def __init__(self, announce: _Optional[_Union[AnnounceRequest, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
+
+class TransferReply(_message.Message):
+    __slots__ = ("grant", "result")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    grant: AnnounceResponse
+    result: PushResult
+    def __init__(self, grant: _Optional[_Union[AnnounceResponse, _Mapping]] = ..., result: _Optional[_Union[PushResult, _Mapping]] = ...) -> None: ...
+
 class PageLayout(_message.Message):
     __slots__ = ("dtype", "shape", "scales_shape")
     DTYPE_FIELD_NUMBER: _ClassVar[int]

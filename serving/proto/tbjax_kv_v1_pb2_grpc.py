@@ -49,6 +49,11 @@ class KVTransferStub:
                 request_serializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Transfer = channel.stream_stream(
+                '/tbjax.kv.v1.KVTransfer/Transfer',
+                request_serializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.TransferMessage.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.TransferReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -72,6 +77,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transfer(self, request_iterator, context):
+        """Announce and PushKV on one call (one RPC set-up instead of two): the first message is the announce, answered
+        by the grant; then the chunks, answered by the result. Same checks, timeouts and failure handling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +102,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.ReleaseRequest.FromString,
                     response_serializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Transfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.TransferMessage.FromString,
+                    response_serializer=serving_dot_proto_dot_tbjax__kv__v1__pb2.TransferReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +190,33 @@ class KVTransfer:
             '/tbjax.kv.v1.KVTransfer/Release',
             serving_dot_proto_dot_tbjax__kv__v1__pb2.ReleaseRequest.SerializeToString,
             serving_dot_proto_dot_tbjax__kv__v1__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tbjax.kv.v1.KVTransfer/Transfer',
+            serving_dot_proto_dot_tbjax__kv__v1__pb2.TransferMessage.SerializeToString,
+            serving_dot_proto_dot_tbjax__kv__v1__pb2.TransferReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,7 +44,7 @@ mkdir -p /tmp/jaxcache
   fi
   if [ "${T_KV:-100}" -gt 0 ]; then
     echo "== bench_kv_transfer $(date -u +%T)"
-    timeout "${T_KV:-100}" python3 benchmarks/bench_kv_transfer.py ${KV_ARGS:---pages 2048 --grpc-pages 128 --reps 3} \
+    timeout "${T_KV:-100}" python3 benchmarks/bench_kv_transfer.py ${KV_ARGS:---layouts smollm2-135m,llama3-8b --tokens 1024,8192 --grpc-tokens 0 --one-call --reps 5} \
       --out "$OUT/kv_transfer.json"
   fi
   echo "== end $(date -u +%T)"

@@ -302,16 +302,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
             new_accs = []
             for m in range(M):
                 if f16:
-                    # e4m3 -> f16 is exact and one cvt per pair; the scales stay out of the weights
-                    dst = deq_smems[m]
-                    for r in range(p.tile_d // p.deq_rows):
-                        rows = pl.ds(r * p.deq_rows, p.deq_rows)
-                        v = w_smems[m].at[rows][...]
-                        if p.deq_layout == "8bit":   # 4 bytes per lane: full-width SMEM loads
-                            v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_8BIT)
-                        dst.at[rows][...] = v.astype(jnp.float16)
-                    plgpu.commit_smem()
-                    a_ref = dst
+                    a_ref = widen_fp8_tile(w_smems[m], deq_smems[m], p)
                 elif fp8:
                     dst = deq_smems[m]
                     for r in range(p.tile_d // 64):
@@ -431,6 +422,19 @@ def _split(ws, scales):
     d, f = ws[0].shape[-2:]
     block_scaled = scales[0] is not None and scales[0].ndim == (3 if stacked else 2)
     return stacked, d, f, block_scaled
+
+
+def widen_fp8_tile(w_smem, dst_smem, p):
+    """Widen an e4m3 weight tile in SMEM to an f16 copy (exact, one cvt per pair; the scales stay out of the
+    weights), `p.deq_rows` rows at a time; returns the copy for the wgmma. Inside a Mosaic GPU kernel body."""
+    for r in range(p.tile_d // p.deq_rows):
+        rows = pl.ds(r * p.deq_rows, p.deq_rows)
+        v = w_smem.at[rows][...]
+        if p.deq_layout == "8bit":   # 4 bytes per lane: full-width SMEM loads
+            v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_8BIT)
+        dst_smem.at[rows][...] = v.astype(jnp.float16)
+    plgpu.commit_smem()
+    return dst_smem
 
 
 def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | None = None):

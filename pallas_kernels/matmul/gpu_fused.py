@@ -200,15 +200,7 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
             new_accs = []
             for m in range(M):
                 if fp8:
-                    dst = deq_smems[m]
-                    for r in range(p.tile_d // p.deq_rows):
-                        rows = pl.ds(r * p.deq_rows, p.deq_rows)
-                        v = w_smems[m].at[rows][...]
-                        if p.deq_layout == "8bit":
-                            v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_8BIT)
-                        dst.at[rows][...] = v.astype(jnp.float16)
-                    plgpu.commit_smem()
-                    a_ref = dst
+                    a_ref = gpu.widen_fp8_tile(w_smems[m], deq_smems[m], p)
                 else:
                     a_ref = w_smems[m]
                 if block_scaled:

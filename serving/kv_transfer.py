@@ -367,6 +367,7 @@ class KVReceiver:
         try:
             return await self._push(request_iterator)
         except _Abort as e:
+            await _drain(request_iterator, DRAIN_BEFORE_ABORT_S)    # see Transfer: keeps the status intact
             await context.abort(e.code, e.message)
 
     async def Transfer(self, request_iterator, context):
@@ -399,6 +400,10 @@ class KVReceiver:
             if res is not None:
                 self._fail(res, e.message if isinstance(e, _Abort) else f"transfer call broke: {type(e).__name__}")
             if isinstance(e, _Abort):
+                # grpcio's asyncio client replaces the status of a call that ends while it is still writing with
+                # INTERNAL "Internal error from Core" (grpc/grpc#36066): let the sender finish its (bounded) chunk
+                # stream, unread, before ending the call with the real status.
+                await _drain(it, DRAIN_BEFORE_ABORT_S)
                 await context.abort(e.code, e.message)
             raise
         yield kvpb.TransferReply(result=result)
@@ -883,6 +888,20 @@ class KVSender:
         return SendStats(ann.reservation_id, result.path if result.shm else ann.codec, result.pages,
                          result.raw_bytes, result.wire_bytes, t1 - t0, time.perf_counter() - t1, shm=result.shm,
                          path=result.path or "grpc", extra={"marks_s": marks})
+
+
+DRAIN_BEFORE_ABORT_S = 10.0
+
+
+async def _drain(request_iterator, timeout_s: float) -> None:
+    """Read and drop what is left of a client stream (at most timeout_s seconds; errors ignored)."""
+    async def rest():
+        async for _ in request_iterator:
+            pass
+    try:
+        await asyncio.wait_for(rest(), timeout_s)
+    except Exception:  # noqa: BLE001 - the stream may already be broken or cancelled: nothing left to drain
+        pass
 
 
 def _pow2_ceil(n: int) -> int:

@@ -34,9 +34,9 @@ class LLM:
         from tbjax.weights import load_model
 
         compile_cache.enable()
-        self.spec, self.params, self.tokenizer = load_model(model, dtype=dtype, progress=progress)
+        self.spec, params, self.tokenizer = load_model(model, dtype=dtype, progress=progress)
         cfg = engine_config or EngineConfig(**engine_kw)
-        self.engine = Engine(self.spec, self.params, self.tokenizer, cfg)
+        self.engine = Engine(self.spec, params, self.tokenizer, cfg)
         self._ids = itertools.count()
 
     @classmethod
@@ -44,10 +44,15 @@ class LLM:
         """An LLM over an already-loaded model (e.g. random weights at real shapes, or one model, several engines)."""
         self = cls.__new__(cls)
         compile_cache.enable()
-        self.spec, self.params, self.tokenizer = spec, params, tokenizer
+        self.spec, self.tokenizer = spec, tokenizer
         self.engine = Engine(spec, params, tokenizer, engine_config or EngineConfig(**engine_kw))
         self._ids = itertools.count()
         return self
+
+    @property
+    def params(self):
+        """The weights the engine serves (per-layer buffers with EngineConfig(layer_buffers="split"))."""
+        return self.engine.params
 
     # ---- generation --------------------------------------------------------------------------------------
     def _prompt_ids(self, p) -> list[int]:

@@ -63,6 +63,9 @@ def test_batch_invariance(model, expected, kw):
         assert outs[i] == want, i
     if kw.get("enable_prefix_caching", True):
         assert eng.scheduler.stats()["prefix_hit_tokens"] > 0   # the shared 40-token prefix was reused
+    if kw.get("layer_buffers") == "split":     # the engine keeps one copy of the weights: the per-layer one
+        groups = eng.params["groups"].values()
+        assert eng.params is eng.runner.params and all(isinstance(v, list) for g in groups for v in g.values())
     eng.scheduler.check()
 
 

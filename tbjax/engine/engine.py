@@ -136,6 +136,7 @@ class Engine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers)
+        self.params = self.runner.params      # one copy: with layer_buffers="split" the stacked tree is dropped
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)

@@ -49,6 +49,10 @@ def test_short_run_against_fake_engine(mode, tmp_path):
     out = tmp_path / "r.json"
     args = ["--spawn", "fake", "--num-requests", "40", "--concurrency", "8", "--prompt-len", "uniform:4:40",
             "--output-len", "uniform:1:20", "--seed", "5", "--warmup", "1", "--out", str(out)]
+    if "grpc" in mode:
+        # a step takes 2 ms, so tokens leave the server one step apart: with an instant fake engine a whole
+        # request could reach a slow client as one merged chunk and leave no inter-token gap to measure (seen in CI)
+        args += ["--fake-step-time", "0.002"]
     rep = lt.main(args + {"grpc": [], "offline": ["--offline"], "offline+grpc": ["--compare-offline"],
                           "offline+grpc/client-process": ["--compare-offline", "--client-process"]}[mode])
     mode = mode.split("/")[0]      # the client process sends the same workload: the same summary checks hold

@@ -54,7 +54,8 @@ def _engine(model, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(page_size=4), dict(page_size=16, max_num_batched_tokens=64, max_prefill_chunk=None),
-                                dict(page_size=8, enable_prefix_caching=False, layer_buffers="split")])
+                                dict(page_size=8, enable_prefix_caching=False, layer_buffers="split"),
+                                dict(page_size=4, overlap_scheduling=False)])
 def test_batch_invariance(model, expected, kw):
     """All prompts together (continuous batching, chunked prefill, shared prefixes) = each prompt alone."""
     eng = _engine(model, **kw)
@@ -67,6 +68,46 @@ def test_batch_invariance(model, expected, kw):
         groups = eng.params["groups"].values()
         assert eng.params is eng.runner.params and all(isinstance(v, list) for g in groups for v in g.values())
     eng.scheduler.check()
+
+
+def test_overlap_launches_ahead_and_samples_like_sync(model):
+    """Overlapped scheduling launches step N+1 before step N's tokens are fetched, feeding step N's samples on the
+    device; seeded sampling, eos and stop tokens then give exactly the tokens of the one-step-at-a-time engine."""
+    def params(i):
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=N_OUT + i,
+                              stop_token_ids=[7, 42] if i % 2 else [])
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(model, overlap_scheduling=overlap)
+        events, launch0, fetch0 = [], eng.runner.launch, eng.runner.fetch
+
+        def launch(inp, *a, prev=None, _l=launch0, _e=events, **kw):
+            _e.append(("launch", prev is not None and bool((inp.src_T >= 0).any())))
+            return _l(inp, *a, prev=prev, **kw)
+
+        def fetch(out, _f=fetch0, _e=events):
+            _e.append(("fetch", None))
+            return _f(out)
+        eng.runner.launch, eng.runner.fetch = launch, fetch
+        outs = {i: [] for i in range(len(PROMPTS))}
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(i, [int(t) for t in p], params(i))
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        runs[overlap] = outs
+        ahead = depth = 0
+        for kind, from_device in events:
+            depth += 1 if kind == "launch" else -1
+            ahead = max(ahead, depth)
+        if overlap:
+            assert ahead == 2 and any(fd for k, fd in events if k == "launch")   # two in flight, tokens on device
+        else:
+            assert ahead == 1
+        eng.scheduler.check()
+        assert eng.scheduler.ranks[0].allocator.num_used == eng.scheduler.ranks[0].cache.num_nodes
+    assert runs[True] == runs[False]
+    assert any(len(v) < N_OUT + i for i, v in runs[True].items())    # some request ended on a stop token / eos
 
 
 def test_preemption_still_gives_correct_output(model, expected):
@@ -122,7 +163,10 @@ def test_steady_state_never_recompiles(model):
     run_all(eng, PROMPTS, params)
     n = eng.runner.num_compiled
     assert n - n0 <= 12                 # a small fixed set of buckets (0 when earlier tests compiled them)
-    prompts2 = [list(np.random.default_rng(1).integers(0, 256, len(p))) for p in PROMPTS]
+    rng = np.random.default_rng(1)          # the same traffic shape (lengths, one shared 40-token prefix), new tokens
+    shared2 = list(rng.integers(0, 256, len(SHARED)))
+    prompts2 = [list(rng.integers(0, 256, len(p))) for p in PROMPTS[:-2]] + \
+        [shared2 + list(rng.integers(0, 256, len(p) - len(SHARED))) for p in PROMPTS[-2:]]
     run_all(eng, prompts2, params)
     assert eng.runner.num_compiled == n
 
@@ -133,8 +177,8 @@ def test_precompiled_decode_buckets_serve_the_decode_steps(model, expected):
     params = SamplingParams.greedy(N_OUT, ignore_eos=True)
     probe = _engine(model)
     seen = []
-    run0 = probe.runner.run
-    probe.runner.run = lambda inp, want_logprobs=False: (seen.append(inp), run0(inp, want_logprobs))[1]
+    launch0 = probe.runner.launch
+    probe.runner.launch = lambda inp, *a, **kw: (seen.append(inp), launch0(inp, *a, **kw))[1]
     run_all(probe, PROMPTS, params)
     decode_inputs = [i for i in seen if i.decode_only]
     assert len({probe.runner._key(i, False) for i in decode_inputs}) >= 2      # several buckets in play

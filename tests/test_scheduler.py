@@ -54,17 +54,26 @@ class FakeModel:
     def code(tok, pos):
         return tok * 100003 + pos
 
-    def run(self, batch) -> dict:
+    def run(self, batch, prev=None) -> dict:
+        """Run ``batch`` as the device would, right when it is launched. ``prev``: the samples of the batch in
+        flight before it (overlapped scheduling), where its ``from_prev`` entries take their token."""
         g = self.g
+
+        def tokens(e):
+            if e.from_prev:
+                assert len(e.seq.token_ids) == e.start, "from_prev entry whose token is already known"
+                return e.seq.token_ids + [prev[e.seq_id]]
+            return e.seq.token_ids
         for e in batch.entries:
             alloc = self.sched.ranks[e.dp_rank].allocator
             pool = self.pools[e.dp_rank]
             assert len(e.block_table) * g >= e.end, "block table does not cover the scheduled tokens"
+            toks = tokens(e)
             for pos in range(e.start, e.end):
                 page = e.block_table[pos // g]
                 assert page != alloc.null_page, "write into the null page"
                 assert alloc.refcount(page) == 1, f"write into shared page {page} (refcount {alloc.refcount(page)})"
-                pool[page, pos % g] = self.code(e.seq.token_ids[pos], pos)
+                pool[page, pos % g] = self.code(toks[pos], pos)
         sampled = {}
         for e in batch.entries:
             if not e.samples:
@@ -72,7 +81,7 @@ class FakeModel:
             pool = self.pools[e.dp_rank]
             bt = e.block_table
             ctx = [int(pool[bt[i // g], i % g]) for i in range(e.end)]
-            want = [self.code(t, i) for i, t in enumerate(e.seq.token_ids[:e.end])]
+            want = [self.code(t, i) for i, t in enumerate(tokens(e)[:e.end])]
             assert ctx == want, f"KV of {e.seq_id!r} corrupted at positions " \
                                 f"{[i for i in range(e.end) if ctx[i] != want[i]][:5]}"
             sampled[e.seq_id] = next_token([c // 100003 for c in ctx])
@@ -94,9 +103,11 @@ class TracingScheduler(Scheduler):
         super()._preempt(seq)
 
 
-def run_engine(sched, requests, arrivals=None, aborts=None, max_steps=3000):
+def run_engine(sched, requests, arrivals=None, aborts=None, max_steps=3000, overlap=False):
     """Drive the scheduler with the fake model, checking per-step invariants. requests: list of Sequence.
-    arrivals[i]: step at which request i is added; aborts: {step: [seq ids]}. Returns {seq_id: Sequence}."""
+    arrivals[i]: step at which request i is added; aborts: {step: [seq ids]}. Returns {seq_id: Sequence}.
+    ``overlap``: schedule step N+1 before step N is done (the engine's overlapped loop): the fake device runs each
+    batch when it is launched, and ``on_step_done(N)`` comes after step N+1 was scheduled and run."""
     model = FakeModel(sched)
     cfg = sched.config
     arrivals = arrivals or [0] * len(requests)
@@ -106,7 +117,18 @@ def run_engine(sched, requests, arrivals=None, aborts=None, max_steps=3000):
     streamed = {r.seq_id: [] for r in requests}
     first_admitted = []  # arrival order of first admissions: first come, first served
     step = 0
-    while pending or sched.has_unfinished():
+    inflight = None      # overlap: (batch, sampled) launched and not yet done
+
+    def finish(batch, sampled):
+        for out in sched.on_step_done(batch, sampled):
+            streamed[out.seq_id] += out.new_token_ids
+            if out.finished:
+                seq = requests_by_id(requests)[out.seq_id]
+                assert seq.status is SequenceStatus.FINISHED and not seq.block_table
+                assert streamed[out.seq_id] == seq.output_token_ids
+                done[out.seq_id] = seq
+
+    while pending or sched.has_unfinished() or inflight:
         assert step < max_steps, "requests starved / livelock"
         while pending and arrivals[pending[0]] <= step:
             sched.add(requests[pending.pop(0)])
@@ -122,11 +144,18 @@ def run_engine(sched, requests, arrivals=None, aborts=None, max_steps=3000):
                 if rank is not None and not cfg.enable_prefix_caching:
                     assert sched.ranks[rank].allocator.num_free == free_before + held  # freed at once
                 done[sid] = seq
-        decoding_before = {s.seq_id for s in sched.running if s.num_uncomputed_tokens == 1}
+        decoding_before = {s.seq_id for s in sched.running
+                           if s.num_tokens_after_inflight - s.num_scheduled_tokens == 1 and not sched._ends_in_flight(s)}
         batch = sched.schedule()
         step += 1
         if batch is None:
-            assert not sched.has_unfinished()
+            if inflight is None:
+                assert not sched.has_unfinished()
+            else:   # overlapped schedule gave up (pages short / nothing to do before step N is back)
+                finish(*inflight)
+                inflight = None
+                sched.check()
+                model.poison_free_pages()
             continue
         # step invariants
         assert 0 < batch.num_tokens <= cfg.max_num_batched_tokens
@@ -143,21 +172,23 @@ def run_engine(sched, requests, arrivals=None, aborts=None, max_steps=3000):
                 first_admitted.append(e.seq.arrival)
                 assert first_admitted == sorted(first_admitted), "a later request overtook a waiting one"
             assert e.seq.status is SequenceStatus.RUNNING
-            assert e.start == e.seq.num_computed_tokens and e.num_tokens >= 1
-            assert e.samples == (e.end == e.seq.num_tokens)
+            assert e.end == e.seq.num_scheduled_tokens and e.num_tokens >= 1
+            # (the batch's own sample already counts as pending)
+            assert (e.end + 1 == e.seq.num_tokens_after_inflight) if e.samples else \
+                (e.end < e.seq.num_tokens_after_inflight)
             assert e.is_decode <= (e.num_tokens == 1 and e.samples)
+            assert e.from_prev <= (inflight is not None and e.is_decode)
             if not e.is_decode:
                 assert e.num_tokens <= cfg.chunk_size
-        if cfg.preemption == "never":
+        if cfg.preemption == "never" or inflight is not None:
             assert not batch.preempted
-        sampled = model.run(batch)
-        for out in sched.on_step_done(batch, sampled):
-            streamed[out.seq_id] += out.new_token_ids
-            if out.finished:
-                seq = requests_by_id(requests)[out.seq_id]
-                assert seq.status is SequenceStatus.FINISHED and not seq.block_table
-                assert streamed[out.seq_id] == seq.output_token_ids
-                done[out.seq_id] = seq
+        sampled = model.run(batch, inflight[1] if inflight else None)
+        if inflight is not None:
+            finish(*inflight)
+        if overlap:
+            inflight = (batch, sampled)
+        else:
+            finish(batch, sampled)
         sched.check()
         model.poison_free_pages()
     # everything returned: only cached pages remain, and clearing the cache frees them all
@@ -213,9 +244,9 @@ def make_requests(rng, n, max_prompt=14, max_out=10, eos=True):
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 3, 4]), dp=st.sampled_from([1, 2]),
        preemption=st.sampled_from(["recompute", "never"]), caching=st.booleans(),
        max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 12),
-       chunk=st.sampled_from([None, 1, 2, 5]), extra_pages=st.integers(0, 8))
+       chunk=st.sampled_from([None, 1, 2, 5]), extra_pages=st.integers(0, 8), overlap=st.booleans())
 def test_random_workloads_match_running_alone(seed, page_size, dp, preemption, caching, max_num_seqs,
-                                              extra_budget, chunk, extra_pages):
+                                              extra_budget, chunk, extra_pages, overlap):
     rng = random.Random(seed)
     reqs = make_requests(rng, rng.randint(1, 10), max_out=12)
     need = max(-(-(r.num_prompt_tokens + r.max_tokens - 1) // page_size) for r in reqs)
@@ -230,7 +261,7 @@ def test_random_workloads_match_running_alone(seed, page_size, dp, preemption, c
             aborts.setdefault(rng.randint(0, 12), []).append(r.seq_id)
             aborted.add(r.seq_id)
     sched = TracingScheduler(cfg)
-    done = run_engine(sched, reqs, arrivals, aborts)
+    done = run_engine(sched, reqs, arrivals, aborts, overlap=overlap)
     assert set(done) == {r.seq_id for r in reqs}
     check_outputs(done, reqs, aborted)
     if preemption == "never":
@@ -248,10 +279,11 @@ def _tight(preemption, caching, page_size=2, dp=1):
     return TracingScheduler(cfg), reqs
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("caching", [False, True])
-def test_cache_too_small_preempts_and_still_correct(caching):
+def test_cache_too_small_preempts_and_still_correct(caching, overlap):
     sched, reqs = _tight("recompute", caching)
-    done = run_engine(sched, reqs)
+    done = run_engine(sched, reqs, overlap=overlap)
     check_outputs(done, reqs)
     assert sched.num_preemptions > 0
     assert any(done[r.seq_id].num_preemptions for r in reqs)
@@ -259,9 +291,10 @@ def test_cache_too_small_preempts_and_still_correct(caching):
         assert sched.stats()["prefix_hit_tokens"] > 0
 
 
-def test_never_policy_reserves_and_never_preempts():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_never_policy_reserves_and_never_preempts(overlap):
     sched, reqs = _tight("never", True)
-    done = run_engine(sched, reqs)
+    done = run_engine(sched, reqs, overlap=overlap)
     check_outputs(done, reqs)
     assert sched.num_preemptions == 0
 
@@ -331,17 +364,24 @@ def test_chunked_prefill_entries_and_protocol_errors():
     batch = sched.schedule()
     (e,) = batch.entries
     assert (e.start, e.num_tokens, e.samples, e.is_decode) == (0, 3, False, False)
+    batch2 = sched.schedule()             # overlapped: the next chunk, scheduled while the first is in flight
+    (e2,) = batch2.entries
+    assert (e2.start, e2.num_tokens, e2.samples, e2.from_prev) == (3, 3, False, False)
     with pytest.raises(RuntimeError, match="in flight"):
-        sched.schedule()
+        sched.schedule()                  # a third batch: no
+    with pytest.raises(RuntimeError, match="not the oldest one in flight"):
+        sched.on_step_done(batch2, {})
     with pytest.raises(ValueError, match="intermediate prefill chunk"):
         sched.on_step_done(batch, {"p": 1})
     with pytest.raises(ValueError, match="not in step"):
         sched.on_step_done(batch, {"zz": 1})
     assert model.run(batch) == {}
+    assert model.run(batch2) == {}
     sched.on_step_done(batch, {})
-    with pytest.raises(RuntimeError, match="not the one in flight"):
+    with pytest.raises(RuntimeError, match="not the oldest one in flight"):
         sched.on_step_done(batch, {})
-    spans = [(0, 3)]
+    sched.on_step_done(batch2, {})
+    spans = [(0, 3), (3, 3)]
     while sched.has_unfinished():
         batch = sched.schedule()
         (e,) = batch.entries

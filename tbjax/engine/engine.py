@@ -3,6 +3,14 @@
 Everything above (the LLM API, the gRPC server) drives it through add_request / step / abort. It is not
 thread-safe: one thread owns an Engine.
 
+Overlapped scheduling (``EngineConfig.overlap_scheduling``, on by default): ``step()`` launches step N+1 on the
+device before it waits for step N, so scheduling, input building and the next step's launch run while the device
+computes, and the device never waits for the host between steps. Step N+1 is scheduled as if step N had returned
+(tbjax/engine/scheduler.py): a token sampled by step N is fed to step N+1 on the device, without a host round trip.
+So ``step()`` returns the outputs of the step before the one it launched (the first call returns none); outputs
+are the same tokens as without overlap. When step N+1 cannot be scheduled without step N's results (pages short:
+preemption) the engine finishes step N first.
+
 Prefill/decode disaggregation: a prefill engine runs ``add_request(..., prefill_only=True)`` (prompt + the first
 token, pages held when it finishes) and then ``export_kv`` (pages to host, then freed); a decode engine reserves
 pages only when the KV is about to arrive (``reserve_kv``), writes them (``write_kv_pages``) and continues with
@@ -46,6 +54,7 @@ class EngineConfig:
     attn_impl: str = "auto"
     matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU at batch <= 4) | "xla" | "kernel"
     layer_buffers: str = "stacked"        # "stacked" | "split" (per-layer weight buffers: faster compiles) | "auto"
+    overlap_scheduling: bool = True       # launch step N+1 before waiting for step N (see the module docstring)
 
 
 @dataclasses.dataclass
@@ -99,6 +108,14 @@ class KVExport:
 
 
 @dataclasses.dataclass
+class _InFlight:
+    """A launched step: its batch, its device outputs, and where each sampling sequence's token is in them."""
+    batch: object
+    out: dict
+    rows: dict                            # seq id -> row of out["tokens"]
+
+
+@dataclasses.dataclass
 class _ReqState:
     params: SamplingParams
     seed: int
@@ -140,6 +157,7 @@ class Engine:
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)
+        self._inflight: _InFlight | None = None   # the launched step whose outputs the next step() returns
         self.num_steps = 0
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -258,31 +276,63 @@ class Engine:
             self._pending.append(RequestOutput(request_id, [], "", True, reason.value))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     # ---- one iteration -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration. Without overlap: schedule, run, return this step's outputs. With overlap: launch the next
+        step, then wait for the one in flight and return its outputs."""
         pending, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return pending
-        entries, sampling = [], []
+        prev = self._inflight
+        if prev is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return pending
+            launched = self._launch(batch, None)
+            if self.config.overlap_scheduling:
+                self._inflight = launched
+                return pending
+            return pending + self._complete(launched)
+        batch = self.scheduler.schedule()         # built as if `prev` were done; None if it must be done first
+        nxt = self._launch(batch, prev) if batch is not None else None
+        results = self._complete(prev)
+        if nxt is None and self.scheduler.has_unfinished():
+            batch = self.scheduler.schedule()
+            nxt = self._launch(batch, None) if batch is not None else None
+        self._inflight = nxt
+        return pending + results
+
+    def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
+        entries, sampling, prev_rows = [], [], []
         want_lp = False
         for e in batch.entries:
             st = self._reqs[e.seq_id]
             p = st.params
-            entries.append((e.token_ids, e.start, list(e.block_table)))
+            if e.from_prev:       # its token is prev's sample for this sequence: read on the device
+                entries.append(([0], e.start, list(e.block_table)))
+                prev_rows.append(prev.rows[e.seq_id])
+            else:
+                entries.append((e.token_ids, e.start, list(e.block_table)))
+                prev_rows.append(-1)
             sampling.append((p.temperature, p.top_k, p.top_p, p.min_p, st.seed))
             want_lp |= p.logprobs > 0 and e.samples
-        inp = self.runner.build_inputs(entries, sampling)
-        out = self.runner.run(inp, want_logprobs=want_lp)
+        use_prev = prev is not None and any(r >= 0 for r in prev_rows)
+        inp = self.runner.build_inputs(entries, sampling, prev_rows if use_prev else None)
+        out = self.runner.launch(inp, want_logprobs=want_lp, prev=prev.out if use_prev else None)
+        return _InFlight(batch, out, {e.seq_id: i for i, e in enumerate(batch.entries) if e.samples})
+
+    def _complete(self, fl: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step, record it in the scheduler and turn it into outputs."""
+        batch = fl.batch
+        out = self.runner.fetch(fl.out)
         self.num_steps += 1
         sampled = {e.seq_id: int(out["tokens"][i]) for i, e in enumerate(batch.entries) if e.samples}
         lp_by_id = {}
-        if want_lp:
+        if "token_logprob" in out:
             for i, e in enumerate(batch.entries):
-                if e.samples:
-                    n = self._reqs[e.seq_id].params.logprobs
+                st = self._reqs.get(e.seq_id)
+                if e.samples and st is not None and st.params.logprobs > 0:
+                    n = st.params.logprobs
                     lp_by_id[e.seq_id] = (float(out["token_logprob"][i]),
                                           [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:n],
                                                                               out["top_logprobs"][i][:n])])
@@ -294,7 +344,7 @@ class Engine:
             if st.first_token_time is None and so.new_token_ids:
                 st.first_token_time = time.monotonic()
             results.append(self._emit(so, st, lp_by_id.get(so.seq_id)))
-        return pending + results
+        return results
 
     def _emit(self, so, st: _ReqState, lp) -> RequestOutput:
         st.out_ids.extend(so.new_token_ids)          # (the scheduler drops a finished sequence's own list)

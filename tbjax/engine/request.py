@@ -75,6 +75,10 @@ class Sequence:
     num_computed_tokens: int = field(init=False, default=0)
     num_cached_tokens: int = field(init=False, default=0)  # prefix-cache hit at the last admission
     num_preemptions: int = field(init=False, default=0)
+    # overlapped scheduling: tokens of steps launched but not yet done, and samples of those steps whose token is
+    # not in token_ids yet (0 or 1); both 0 when no step is in flight
+    num_inflight_tokens: int = field(init=False, default=0)
+    num_pending_samples: int = field(init=False, default=0)
     arrival: int = field(init=False, default=-1)  # order of add(); lower = older = higher priority
     _cache_node: Any = field(init=False, default=None, repr=False)
     _reserved_pages: int = field(init=False, default=0, repr=False)
@@ -118,6 +122,16 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to run through the model before the next token can be sampled (1 = decode)."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose KV is written or being written by a launched step (computed + in flight)."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_after_inflight(self) -> int:
+        """Length of token_ids once the steps in flight have returned their samples."""
+        return len(self.token_ids) + self.num_pending_samples
 
     @property
     def is_decoding(self) -> bool:

@@ -9,6 +9,9 @@ The KV pools are donated and updated in place. Decode steps send the projections
 kernel on GPU when that is faster (batches of <= 4: `matmul_impl`, tbjax/model/linear.py); others use XLA dots.
 A step's host inputs travel as two packed arrays (int32 and float32, fields 256-byte aligned) and are unpacked in
 the program: per-array transfers cost more than the arrays (H200: host round trip 1.43 -> 0.54 ms at batch 32).
+Overlapped scheduling launches step N+1 before step N's tokens reach the host: a token the host does not know yet
+is taken, inside the program, from step N's sampled tokens (``src_T`` names the row; every step returns its tokens
+padded to one fixed length, ``tokens_M``, so this adds no shape buckets).
 `precompile` compiles chosen buckets ahead of use, several XLA compiles at once. MLA layers keep their latent once
 per token (tbjax/engine/mla_paged.py).
 """
@@ -60,19 +63,25 @@ class StepInputs:
     seed_S: np.ndarray
     sample_pos_S: np.ndarray
     decode_only: bool
+    src_T: np.ndarray | None = None       # per token: row of the previous step's sampled tokens to feed, or -1
+
+    def __post_init__(self):
+        if self.src_T is None:
+            self.src_T = np.full(self.tokens_T.shape, -1, np.int32)
 
     def pack(self) -> tuple[np.ndarray, np.ndarray, tuple]:
         """All int32 fields in one array, all float32 fields in another, and the (static) layout to unpack them:
         two host->device transfers per step instead of thirteen."""
         ints = [self.tokens_T, self.positions_T, self.slots_T, self.block_tables_SP, self.kv_lens_S,
-                self.cu_q_lens_S1, self.sample_rows_S, self.top_k_S, self.seed_S.view(np.int32), self.sample_pos_S]
+                self.cu_q_lens_S1, self.sample_rows_S, self.top_k_S, self.seed_S.view(np.int32), self.sample_pos_S,
+                self.src_T]
         floats = [self.temperature_S, self.top_p_S, self.min_p_S]
         layout = tuple(a.shape for a in ints + floats)
         return _concat_aligned(ints, np.int32), _concat_aligned(floats, np.float32), layout
 
 
 _INT_FIELDS = ("tokens_T", "positions_T", "slots_T", "block_tables_SP", "kv_lens_S", "cu_q_lens_S1", "sample_rows_S",
-               "top_k_S", "seed_S", "sample_pos_S")
+               "top_k_S", "seed_S", "sample_pos_S", "src_T")
 _F32_FIELDS = ("temperature_S", "top_p_S", "min_p_S")
 
 
@@ -108,9 +117,12 @@ def _unpack(ints, floats, layout) -> dict:
     return out
 
 
-def _step(params, caches, ints, floats, *, layout, spec: ModelSpec, decode_only: bool, want_logprobs: bool,
-          attn_impl: str, matmul_impl: str = "auto"):
+def _step(params, caches, ints, floats, prev_tokens_M=None, *, layout, spec: ModelSpec, decode_only: bool,
+          want_logprobs: bool, attn_impl: str, matmul_impl: str = "auto"):
     inp = _unpack(ints, floats, layout)
+    if prev_tokens_M is not None:   # tokens sampled by the previous step (overlapped scheduling) come from the device
+        src_T = inp["src_T"]
+        inp["tokens_T"] = jnp.where(src_T >= 0, jnp.take(prev_tokens_M, jnp.maximum(src_T, 0)), inp["tokens_T"])
     scale = rope_attention_scale(spec)
     mm = kernel_impl_for(matmul_impl, decode_only, inp["tokens_T"].shape[0])
 
@@ -137,6 +149,8 @@ def _step(params, caches, ints, floats, *, layout, spec: ModelSpec, decode_only:
     tok_S, logprobs_SV = sample(logits_SV, inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"],
                                 inp["seed_S"], inp["sample_pos_S"])
     out = {"tokens": tok_S}
+    if prev_tokens_M is not None:
+        out["tokens_M"] = jnp.zeros_like(prev_tokens_M).at[:tok_S.shape[0]].set(tok_S)
     if want_logprobs:
         out["token_logprob"] = jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0]
         out["top_logprobs"], out["top_ids"] = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
@@ -167,6 +181,8 @@ class ModelRunner:
         # XLA:CPU's bf16 single-row dot against a transposed matrix (the tied lm_head) is ~14x slower than two
         # rows (measured: 174 ms vs 12 ms for SmolLM2), so CPU batches hold at least two sequences.
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
+        self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
+        self._no_prev = jnp.zeros(self.max_seqs, jnp.int32)        # prev_tokens_M of a step that takes none
         self._fn = jax.jit(_step, static_argnames=("layout", "spec", "decode_only", "want_logprobs", "attn_impl",
                                                    "matmul_impl"),
                            donate_argnums=(1,))
@@ -176,13 +192,15 @@ class ModelRunner:
     def num_compiled(self) -> int:
         return self._fn._cache_size() + len(self._compiled)
 
-    def build_inputs(self, entries, sampling) -> StepInputs:
-        """entries: list of (token_ids, start, block_table); sampling: list of (temp, top_k, top_p, min_p, seed)."""
+    def build_inputs(self, entries, sampling, prev_rows=None) -> StepInputs:
+        """entries: list of (token_ids, start, block_table); sampling: list of (temp, top_k, top_p, min_p, seed).
+        prev_rows (overlapped scheduling): per entry, -1, or the row of the previous step's sampled tokens that is
+        this entry's one token (its token_ids value is then ignored)."""
         G = self.page_size
         S = len(entries)
         n_tok = sum(len(t) for t, _, _ in entries)
         decode_only = all(len(t) == 1 for t, _, _ in entries)
-        Sb = bucket(S, self.min_seqs, max(self.max_num_seqs, self.min_seqs))
+        Sb = bucket(S, self.min_seqs, self.max_seqs)
         Tb = Sb if decode_only else bucket(n_tok, 16, max(self.max_tokens, 16))
         Pb = bucket(max(len(bt) for _, _, bt in entries), 1, self.max_pages)
         tokens = np.zeros(Tb, np.int32)
@@ -198,6 +216,7 @@ class ModelRunner:
         min_p = np.zeros(Sb, np.float32)
         seed = np.zeros(Sb, np.uint32)
         spos = np.zeros(Sb, np.int32)
+        src = np.full(Tb, -1, np.int32)
         if S:
             cols = list(zip(*sampling))
             temp[:S], top_k[:S], top_p[:S], min_p[:S], seed[:S] = cols
@@ -212,8 +231,10 @@ class ModelRunner:
             cu[1:S + 1] = np.arange(1, S + 1)
             rows[:S] = np.arange(S)
             cu[S + 1:] = S
+            if prev_rows is not None:
+                src[:S] = prev_rows
             return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed,
-                              spos, decode_only)
+                              spos, decode_only, src)
         t = 0
         for s, (ids, start, bt) in enumerate(entries):
             n = len(ids)
@@ -228,9 +249,13 @@ class ModelRunner:
             cu[s + 1] = t
             rows[s] = t - 1
             spos[s] = start + n
+            if prev_rows is not None and prev_rows[s] >= 0:
+                if n != 1:
+                    raise ValueError(f"entry {s} takes its token from the previous step but has {n} tokens")
+                src[t - 1] = prev_rows[s]
         cu[S + 1:] = t
         return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed, spos,
-                          decode_only)
+                          decode_only, src)
 
     @staticmethod
     def _key(inp: StepInputs, want_logprobs: bool, layout=None):
@@ -254,24 +279,31 @@ class ModelRunner:
             ints, floats, layout = inp.pack()
             key = self._key(inp, want_logprobs, layout)
             if key not in self._compiled and key not in todo:
-                todo[key] = self._fn.lower(self.params, self.caches, ints, floats,
+                todo[key] = self._fn.lower(self.params, self.caches, ints, floats, self._no_prev,
                                            **self._static(inp, want_logprobs, layout))
         with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
             for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
                 self._compiled[key] = exe
         return time.perf_counter() - t
 
-    def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False) -> dict:
-        """Start the step on device (no wait); `packed` = inp.pack()'s arrays, host or already on device.
+    def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False, prev=None) -> dict:
+        """Start the step on device (no wait); `packed` = inp.pack()'s arrays, host or already on device; `prev` =
+        the previous launch's outputs when `inp.src_T` takes tokens from them (overlapped scheduling).
         Returns the step's outputs as device arrays; the KV pools are updated in place."""
         ints, floats, layout = inp.pack() if packed is None else packed
+        prev_M = self._no_prev if prev is None else prev["tokens_M"]
         exe = self._compiled.get(self._key(inp, want_logprobs, layout))
         if exe is not None:
-            out, self.caches = exe(self.params, self.caches, ints, floats)
+            out, self.caches = exe(self.params, self.caches, ints, floats, prev_M)
         else:
-            out, self.caches = self._fn(self.params, self.caches, ints, floats,
+            out, self.caches = self._fn(self.params, self.caches, ints, floats, prev_M,
                                         **self._static(inp, want_logprobs, layout))
         return out
 
+    @staticmethod
+    def fetch(out: dict) -> dict[str, np.ndarray]:
+        """Wait for a launched step and bring what the host needs (not the padded device-side tokens)."""
+        return jax.device_get({k: v for k, v in out.items() if k != "tokens_M"})
+
     def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
-        return jax.device_get(self.launch(inp, want_logprobs=want_logprobs))
+        return self.fetch(self.launch(inp, want_logprobs=want_logprobs))

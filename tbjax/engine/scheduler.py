@@ -18,9 +18,20 @@ pages that its tokens need, evicting unused cached pages first. When a rank is o
   the cached prefix) up front, so a running sequence never runs out and nothing is ever preempted.
 
 A request that could never fit (over ``max_model_len``, or more pages than one rank has) is refused by
-``add`` with ``RequestTooLarge``. Protocol: ``schedule`` -> run the batch -> ``on_step_done``, strictly
-alternating; ``abort`` / ``finish`` free a sequence's pages at once. Block tables can change between
-steps (page deduplication when prefixes are inserted), so read ``seq.block_table`` fresh every step.
+``add`` with ``RequestTooLarge``. Protocol: ``schedule`` -> run the batch -> ``on_step_done``; ``abort`` /
+``finish`` free a sequence's pages at once. Block tables can change between steps (page deduplication when
+prefixes are inserted), so read ``seq.block_table`` fresh every step.
+
+Overlapped scheduling: while one batch is in flight, ``schedule`` may be called once more to build the next
+batch before that one's tokens are known, so the host prepares step N+1 while the device runs step N. It is
+built as if step N had returned: a sequence that samples in step N decodes that (still unknown) token next
+(``ScheduledEntry.from_prev``; the runner reads it from step N's device output), a sequence that certainly ends
+in step N (max_tokens / max_model_len) is left out, one that ends on eos / a stop token computes one token that
+``on_step_done`` then drops. Such a call never preempts (nor admits after a shortfall): when pages are short it
+returns None, and the caller finishes step N first. A sequence that ends in step N frees its pages at
+``on_step_done(N)`` although step N+1 still writes its next position there: the device runs steps in order, so
+a later owner's writes (step N+2 onward) land after it, and that position is never in a cached (full, computed)
+page. At most two batches are in flight; ``on_step_done`` takes them in order.
 
 Prefill/decode disaggregation adds three things (the engine's ``export_kv`` / ``reserve_kv`` / ``write_kv_pages``
 / ``add_prefilled_request`` sit on them):
@@ -55,6 +66,10 @@ class RequestTooLarge(ValueError):
 
 class KVReservationError(RuntimeError):
     """A KV reservation cannot be made (no pages / no sequence slot) or is used wrongly (unknown key, size)."""
+
+
+class _NeedsSync(Exception):
+    """An overlapped schedule() would have to preempt: build no batch until the step in flight is done."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -118,6 +133,7 @@ class ScheduledEntry:
     num_tokens: int
     samples: bool
     is_decode: bool
+    from_prev: bool = False  # its one token is the sample of the batch in flight before it (unknown when built)
 
     @property
     def seq_id(self) -> Hashable:
@@ -230,7 +246,7 @@ class Scheduler:
         self._seqs: dict[Hashable, Sequence] = {}
         self._arrivals = 0
         self._step = 0
-        self._inflight: ScheduledBatch | None = None
+        self._inflight: collections.deque[ScheduledBatch] = collections.deque()   # launched, not yet done
         self._hold: set[Hashable] = set()                      # seq ids whose pages are held when they finish
         self._held: dict[Hashable, Sequence] = {}              # finished, pages held until release_held
         self._reservations: dict[Hashable, tuple[int, list[int]]] = {}   # key -> (rank, pages) (late reservations)
@@ -462,10 +478,10 @@ class Scheduler:
         seq._reserved_pages = 0
 
     def _tokens_coverable(self, seq: Sequence) -> int:
-        """How many more tokens (from num_computed_tokens) ``seq`` can get pages for right now."""
+        """How many more tokens (past those computed or in flight) ``seq`` can get pages for right now."""
         r = self.ranks[seq.dp_rank]
         pages = len(seq.block_table) + seq._reserved_pages + max(0, r.headroom)
-        return pages * self.page_size - seq.num_computed_tokens
+        return pages * self.page_size - seq.num_scheduled_tokens
 
     def _allocate(self, seq: Sequence, upto_tokens: int) -> None:
         """Extend ``seq.block_table`` to cover ``upto_tokens`` tokens (caller checked that it fits)."""
@@ -482,6 +498,7 @@ class Scheduler:
         seq.block_table.extend(r.allocator.allocate(need))  # raises OutOfPages on a bookkeeping bug
 
     def _preempt(self, seq: Sequence) -> None:
+        assert not seq.num_inflight_tokens, f"{seq.seq_id!r} preempted with a step in flight (bug)"
         self._release(seq)
         self._running.remove(seq)
         seq.status = SequenceStatus.WAITING
@@ -546,10 +563,42 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        """Build the next batch (allocating its pages); None when there is nothing to run."""
-        if self._inflight is not None:
-            raise RuntimeError(f"schedule() called while step {self._inflight.step} is still in flight: "
-                               "call on_step_done(batch, sampled) first")
+        """Build the next batch (allocating its pages); None when there is nothing to run. With a batch in flight
+        (overlapped scheduling, see the module docstring) None also means "not before that batch is done"."""
+        if len(self._inflight) >= 2:
+            raise RuntimeError(f"schedule() called with steps {[b.step for b in self._inflight]} in flight: "
+                               "call on_step_done(batch, sampled) for the oldest first")
+        try:
+            return self._schedule(overlapped=bool(self._inflight))
+        except _NeedsSync:
+            return None
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """The sample in flight certainly ends ``seq`` (max_tokens or max_model_len reached)."""
+        if not seq.num_pending_samples:
+            return False
+        return seq.num_output_tokens + seq.num_pending_samples >= seq.max_tokens or \
+            (self.max_model_len is not None and seq.num_tokens_after_inflight >= self.max_model_len)
+
+    def _shares_inflight_pages(self, seq: Sequence) -> bool:
+        """A step in flight computes a full page that ``seq``'s prompt could take from the prefix cache once that
+        step is done, beyond what the cache gives it now (so admitting it now would compute the page again)."""
+        g = self.page_size
+        usable = (len(seq.token_ids) - 1) // g          # as in _plan: at least one token is always recomputed
+        for r in self.ranks:
+            if r.cache is None:
+                continue
+            end = (r.cache.match(seq.token_ids, max_pages=usable).num_pages + 1) * g
+            if end > usable * g:
+                continue
+            head = seq.token_ids[:end]
+            for s in self._running:
+                if s.dp_rank == r.idx and s.num_computed_tokens < end <= s.num_scheduled_tokens and \
+                        s.token_ids[:end] == head:
+                    return True
+        return False
+
+    def _schedule(self, overlapped: bool) -> ScheduledBatch | None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: dict[Hashable, ScheduledEntry] = {}
@@ -559,16 +608,18 @@ class Scheduler:
             """Pages for up to ``want`` tokens of ``seq``, preempting the newest sequences of its rank if
             needed; returns the tokens granted (0 if ``seq`` itself was preempted)."""
             nonlocal budget
-            if len(seq.block_table) * self.page_size - seq.num_computed_tokens >= want:
+            if len(seq.block_table) * self.page_size - seq.num_scheduled_tokens >= want:
                 return want  # its pages already cover the tokens
             while True:
                 cap = self._tokens_coverable(seq)
                 if cap >= 1:
                     n = min(want, cap)
-                    self._allocate(seq, seq.num_computed_tokens + n)
+                    self._allocate(seq, seq.num_scheduled_tokens + n)
                     return n
                 if cfg.preemption == "never":
                     raise RuntimeError(f"sequence {seq.seq_id!r} ran out of reserved pages (bookkeeping bug)")
+                if overlapped:
+                    raise _NeedsSync
                 victim = self._newest_running_on(seq.dp_rank)
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
@@ -580,22 +631,26 @@ class Scheduler:
 
         # 1. decodes, oldest first
         for seq in list(self._running):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if seq.status is not SequenceStatus.RUNNING or \
+                    seq.num_tokens_after_inflight - seq.num_scheduled_tokens != 1 or self._ends_in_flight(seq):
                 continue
             if fit(seq, 1):
-                scheduled[seq.seq_id] = ScheduledEntry(seq, seq.num_computed_tokens, 1, True, True)
+                scheduled[seq.seq_id] = ScheduledEntry(seq, seq.num_scheduled_tokens, 1, True, True,
+                                                       from_prev=seq.num_pending_samples > 0)
                 budget -= 1
         # 2. running prefills, oldest first
         for seq in list(self._running):
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
+            left = seq.num_tokens_after_inflight - seq.num_scheduled_tokens
+            if seq.status is not SequenceStatus.RUNNING or left <= 1:
                 continue
-            want = min(seq.num_uncomputed_tokens, cfg.chunk_size, budget)
+            want = min(left, cfg.chunk_size, budget)
             n = fit(seq, want)
             if n:
-                start = seq.num_computed_tokens
-                scheduled[seq.seq_id] = ScheduledEntry(seq, start, n, start + n == seq.num_tokens, False)
+                start = seq.num_scheduled_tokens
+                scheduled[seq.seq_id] = ScheduledEntry(seq, start, n, start + n == seq.num_tokens_after_inflight,
+                                                       False)
                 budget -= n
         # 3. admissions, first come first served (none after a preemption: pages are short)
         if not preempted:
@@ -612,6 +667,8 @@ class Scheduler:
                         best = (key, plan)
                 if best is None:
                     break  # the head waits for pages; nobody overtakes it
+                if overlapped and self._shares_inflight_pages(seq):
+                    break  # admitted next step, when a page the step in flight computes is in the prefix cache
                 plan = best[1]
                 self._admit(seq, plan)
                 n = plan.num_tokens
@@ -619,21 +676,25 @@ class Scheduler:
                 budget -= n
 
         if not scheduled:
-            if self._seqs:
+            if self._seqs and not overlapped:
                 raise RuntimeError("scheduler made no progress with requests pending (bug)")
             return None
         entries = sorted(scheduled.values(), key=lambda e: (not e.is_decode, e.seq.arrival))
+        for e in entries:
+            e.seq.num_inflight_tokens += e.num_tokens
+            e.seq.num_pending_samples += e.samples
         batch = ScheduledBatch(self._step, entries, preempted)
         self._step += 1
-        self._inflight = batch
+        self._inflight.append(batch)
         return batch
 
     def on_step_done(self, batch: ScheduledBatch, sampled: Mapping[Hashable, int]) -> list[StepOutput]:
         """Record a finished step: advance computed tokens, cache new full pages, append sampled tokens,
-        apply eos / stop tokens / max_tokens. Returns one ``StepOutput`` per sampling entry still alive."""
-        if batch is not self._inflight:
-            raise RuntimeError("on_step_done() got a batch that is not the one in flight "
-                               "(call schedule() once, then on_step_done() with its batch)")
+        apply eos / stop tokens / max_tokens. Returns one ``StepOutput`` per sampling entry still alive.
+        Batches in flight are done in the order they were scheduled."""
+        if not self._inflight or batch is not self._inflight[0]:
+            raise RuntimeError("on_step_done() got a batch that is not the oldest one in flight "
+                               "(call schedule(), then on_step_done() with its batch)")
         g = self.page_size
         in_batch = {e.seq_id for e in batch.entries}
         live = {}
@@ -660,13 +721,15 @@ class Scheduler:
         for sid, e in live.items():
             if e.samples and sid not in tokens:
                 raise ValueError(f"no sampled token for {sid!r}, whose entry in step {batch.step} samples")
-        self._inflight = None
+        self._inflight.popleft()
         outputs = []
         for sid, e in live.items():
             seq = e.seq
             if seq.num_computed_tokens != e.start:
                 raise RuntimeError(f"{sid!r}: computed {seq.num_computed_tokens} tokens but entry starts at {e.start}")
             seq.num_computed_tokens = e.end
+            seq.num_inflight_tokens -= e.num_tokens
+            seq.num_pending_samples -= e.samples
             r = self.ranks[seq.dp_rank]
             if r.cache is not None:
                 node = seq._cache_node or r.cache.root
@@ -736,10 +799,17 @@ class Scheduler:
         """Verify all page bookkeeping between steps; raises AssertionError (used by tests)."""
         g = self.page_size
         assert len(self._running) <= self.config.max_num_seqs
+        inflight_tokens, inflight_samples = collections.Counter(), collections.Counter()
+        for b in self._inflight:
+            for e in b.entries:
+                if self._seqs.get(e.seq_id) is e.seq:
+                    inflight_tokens[e.seq_id] += e.num_tokens
+                    inflight_samples[e.seq_id] += e.samples
         assert [s.arrival for s in self._running] == sorted(s.arrival for s in self._running)
         for s in self._waiting:
             assert s.status is SequenceStatus.WAITING and not s.block_table and s._cache_node is None
             assert s._reserved_pages == 0 and s.dp_rank is None and s.num_computed_tokens == 0
+            assert s.num_inflight_tokens == 0 and s.num_pending_samples == 0
         for r in self.ranks:
             a = r.allocator
             a.check()
@@ -754,7 +824,9 @@ class Scheduler:
                     holders.update(pages)
             for s in seqs:
                 assert s.status is SequenceStatus.RUNNING
-                assert len(s.block_table) >= _cdiv(s.num_computed_tokens, g)
+                assert s.num_inflight_tokens == inflight_tokens[s.seq_id], s.seq_id
+                assert s.num_pending_samples == inflight_samples[s.seq_id] <= 1, s.seq_id
+                assert len(s.block_table) >= _cdiv(s.num_scheduled_tokens, g)
                 assert a.null_page is None or a.null_page not in s.block_table
                 holders.update(s.block_table)
                 if s._cache_node is not None:

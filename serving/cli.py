@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--kv-dtype", default=None)
     eng.add_argument("--layer-buffers", default=None, choices=["stacked", "split", "auto"],
                      help="engine weight layout: split = per-layer buffers (XLA compiles a step several times faster)")
+    eng.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false", default=None,
+                     help="run one engine step at a time (default: launch step N+1 before waiting for step N)")
     eng.add_argument("--warmup", action="store_true", help="run one short request through the engine before "
                      "listening (compiles the common programs)")
     eng.add_argument("--fake-engine", action="store_true",
@@ -103,7 +105,8 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
     engine_kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens",
                                    a.max_num_batched_tokens), ("num_pages", a.num_pages), ("page_size", a.page_size),
                                    ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
-                                   ("layer_buffers", a.layer_buffers)) if v is not None}
+                                   ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling))
+                 if v is not None}
     if a.role == "router":   # the router only tokenizes and validates: its engine never runs
         engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
     if a.pp > 1:

@@ -110,3 +110,13 @@ def test_serve_cli_pp_beyond_the_devices_or_layers_is_a_clear_exit():
     a = build_parser().parse_args(["--role", "prefill", "--pp", "9", "--model", "synthetic"])
     with pytest.raises(SystemExit, match="needs 9 devices"):
         load_served_model(a)
+
+
+def test_serve_cli_engine_flags_reach_the_engine_config():
+    """--no-overlap-scheduling ends up in the served engine's EngineConfig (whose default is overlap on)."""
+    from serving.cli import build_parser, load_served_model
+    from tbjax.engine import EngineConfig
+    assert EngineConfig().overlap_scheduling and build_parser().parse_args([]).overlap_scheduling is None
+    m = load_served_model(build_parser().parse_args(["--model", "synthetic", "--num-pages", "8", "--max-num-seqs", "2",
+                                                     "--max-num-batched-tokens", "16", "--no-overlap-scheduling"]))
+    assert m.engine.config.overlap_scheduling is False

@@ -3,12 +3,22 @@
 A new architecture is a new entry here plus a mapping in tbjax/spec.py. Parameter layout is [in, out] for
 every matrix (x @ w); projections go through `linear`/`swiglu` (tbjax/model/linear.py), which pick XLA dots or the
 decode kernel. Per-layer shapes here get a leading L axis when layers of one kind are stacked.
+
+`fold_norms` rewrites a parameter tree so that the GQA/dense RMSNorm weights live inside the projection that reads
+the norm's output (w_qkv, w_gate_up); the layer then multiplies that projection's float32 output by the norm's row
+factor instead of materializing the normalized activations. Why: in the decode step compiled for the H200 (sm_90)
+the norm was a kernel of its own after the residual add (a Triton block-level fusion); folded, XLA computes the
+residual add and the row factor in one reduction kernel, the projection reads the residual stream directly and the
+factor joins the consumers of the projection (KV write / RoPE, SiLU): 12 -> 10 kernels per layer
+(scripts/gpu_hlo_decode.py, benchmarks/RESULTS.md). Same math; the bf16 rounding moves from the normalized
+activations to the folded weights.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from tbjax.model import layers as ly
@@ -37,11 +47,16 @@ def gqa_shapes(s: ModelSpec):
 def gqa_qkv(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
     """Norm + fused QKV projection + q/k norm + RoPE. Returns q_TNH, k_TKH, v_TKH."""
     T = x_TD.shape[0]
-    h = ly.rms_norm(x_TD, p["attn_norm"], spec.norm_eps)
-    if "b_qkv" in p:
-        qkv = (linear(p, "w_qkv", h, jnp.float32) + p["b_qkv"].astype(jnp.float32)).astype(x_TD.dtype)
-    else:
+    h, s_T1 = _norm_in(spec, p, "attn_norm", x_TD)
+    if s_T1 is None and "b_qkv" not in p:
         qkv = linear(p, "w_qkv", h)
+    else:
+        qkv = linear(p, "w_qkv", h, jnp.float32)
+        if s_T1 is not None:
+            qkv = qkv * s_T1
+        if "b_qkv" in p:
+            qkv = qkv + p["b_qkv"].astype(jnp.float32)
+        qkv = qkv.astype(x_TD.dtype)
     N, K, H = spec.n_heads, spec.n_kv_heads, spec.head_dim
     q = qkv[:, : N * H].reshape(T, N, H)
     k = qkv[:, N * H: (N + K) * H].reshape(T, K, H)
@@ -65,8 +80,65 @@ def dense_shapes(s: ModelSpec):
 
 
 def dense_ffn(spec: ModelSpec, p, x_TD):
-    h = ly.rms_norm(x_TD, p["mlp_norm"], spec.norm_eps)
-    return swiglu(p, h)
+    h, s_T1 = _norm_in(spec, p, "mlp_norm", x_TD)
+    return swiglu(p, h, row_scale_T1=s_T1)
+
+
+# ---- norms folded into the next projection -----------------------------------------------------------------
+FOLDED_SUFFIX = "_folded"          # a folded norm's weights stay in the tree under <norm>_folded (unused by math)
+
+
+def _norm_in(spec: ModelSpec, p, norm: str, x_TD):
+    """(input of the projection after `norm`, float32 row factor [T, 1] to apply to its output or None)."""
+    if norm in p:
+        return ly.rms_norm(x_TD, p[norm], spec.norm_eps), None
+    if norm + FOLDED_SUFFIX in p:          # folded by fold_norms: the projection's weights carry the norm weight
+        return x_TD, ly.rms_scale(x_TD, spec.norm_eps)
+    raise KeyError(f"layer parameters have neither {norm!r} nor {norm + FOLDED_SUFFIX!r} (fold_norms)")
+
+
+def folded_pairs(attention: str, ffn: str) -> tuple[tuple[str, str], ...]:
+    """(norm, projection reading its output) pairs that fold_norms folds for a layer group of these kinds."""
+    return ((("attn_norm", "w_qkv"),) if attention == "gqa" else ()) + \
+           ((("mlp_norm", "w_gate_up"),) if ffn == "dense" else ())
+
+
+@jax.jit
+def _fold_one(norm_xD, w_xDr):
+    """w * norm along w's input axis (the one after norm's leading axes), in float32, rounded once to w's dtype."""
+    n = norm_xD.astype(jnp.float32).reshape(norm_xD.shape + (1,) * (w_xDr.ndim - norm_xD.ndim))
+    return (w_xDr.astype(jnp.float32) * n).astype(w_xDr.dtype)
+
+
+def fold_norms(spec: ModelSpec, params):
+    """The same parameter tree with each GQA attn_norm folded into w_qkv and each dense mlp_norm into w_gate_up:
+    w[.., d, :] *= norm[.., d]; the norm weights move to <norm>_folded. Groups of other kinds (MLA, MoE) are left
+    as they are; an already folded group is returned unchanged. Works on stacked [L, ...] arrays and on per-layer
+    buffers (lists, tbjax/model/params.py split_layer_buffers). The folded matrices are new arrays (the caller drops
+    the originals). Forwards over the folded tree equal those over the original up to the weights' rounding."""
+    groups = {}
+    for g in spec.layer_groups:
+        if g.name not in params["groups"]:
+            raise KeyError(f"parameter tree has no layer group {g.name!r}")
+        gp = dict(params["groups"][g.name])
+        for norm, w in folded_pairs(g.attention, g.ffn):
+            if norm not in gp:
+                if norm + FOLDED_SUFFIX in gp:
+                    continue
+                raise KeyError(f"group {g.name!r} has no {norm!r} to fold")
+            n, m = gp[norm], gp[w]
+            pairs = list(zip(n, m)) if isinstance(m, (list, tuple)) else [(n, m)]
+            for a, b in pairs:
+                if not jnp.issubdtype(b.dtype, jnp.floating):
+                    raise TypeError(f"{g.name}.{w}: cannot fold a norm into {b.dtype} weights")
+                if tuple(b.shape[:a.ndim]) != tuple(a.shape):
+                    raise ValueError(f"{g.name}: {norm} {tuple(a.shape)} does not match the input axis of {w} "
+                                     f"{tuple(b.shape)}")
+            folded = [_fold_one(a, b) for a, b in pairs]
+            gp[w] = folded if isinstance(m, (list, tuple)) else folded[0]
+            gp[norm + FOLDED_SUFFIX] = gp.pop(norm)
+        groups[g.name] = gp
+    return {**params, "groups": {**params["groups"], **groups}}
 
 
 ATTENTION_KINDS: dict[str, Kind] = {"gqa": Kind(gqa_shapes, norms=("attn_norm", "q_norm", "k_norm"))}

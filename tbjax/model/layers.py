@@ -15,9 +15,18 @@ from tbjax.spec import RopeSpec
 
 
 def rms_norm(x_TD, w_D, eps: float):
-    x32 = x_TD.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x_TD.astype(jnp.float32) * rms_scale(x_TD, eps)
     return (y * w_D.astype(jnp.float32)).astype(x_TD.dtype)
+
+
+def rms_scale(x_TD, eps: float):
+    """The per-row factor of RMSNorm, float32 [T, 1]: rms_norm(x, w) == x * rms_scale(x) * w.
+
+    For norms whose weight is folded into the next projection (tbjax/model/kinds.py fold_norms): that projection
+    reads x itself and its float32 output is multiplied by this factor, (x * s * w) @ W == s * (x @ (w[:, None] * W)).
+    """
+    x32 = x_TD.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def rope_inv_freq(rope: RopeSpec) -> np.ndarray:

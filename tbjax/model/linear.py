@@ -52,6 +52,9 @@ class LayerParams(Mapping):
             return w[self.layer][None], 0
         return w, self.layer
 
+    def __contains__(self, name):
+        return name in self.stacks
+
     def __iter__(self):
         return iter(self.stacks)
 
@@ -96,8 +99,11 @@ def linear(p, name: str, x_TD, out_dtype=None):
     return jnp.dot(x_TD, p[name], preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down"):
-    """silu(x @ gate) * (x @ up) @ down, gate and up read as one [D, 2F] matrix (one GEMM / one kernel launch)."""
+def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down", row_scale_T1=None):
+    """silu(x @ gate) * (x @ up) @ down, gate and up read as one [D, 2F] matrix (one GEMM / one kernel launch).
+
+    row_scale_T1: float32 [T, 1] multiplying x @ [gate, up] before the SiLU (a norm folded into gate/up,
+    tbjax/model/kinds.py fold_norms); XLA fuses it into the SiLU kernel."""
     if _kernel_ok(p, x_TD, gate_up):
         w_LD2F, layer = p.stacked(gate_up)
         L, D, _, F = w_LD2F.shape
@@ -106,6 +112,8 @@ def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down"):
         w_D2F = p[gate_up]
         D, _, F = w_D2F.shape
         gu = jnp.dot(x_TD, w_D2F.reshape(D, 2 * F), preferred_element_type=jnp.float32)
+    if row_scale_T1 is not None:
+        gu = gu * row_scale_T1
     h = (jax.nn.silu(gu[:, :F]) * gu[:, F:]).astype(x_TD.dtype)
     return linear(p, down, h)
 

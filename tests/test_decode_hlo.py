@@ -1,0 +1,206 @@
+"""Fewer kernels per decode layer: RMSNorm weights folded into the next projection (tbjax/model/kinds.py fold_norms).
+
+1. The folded forward computes the same function: against the unfolded float32 forward (the definition, itself
+   checked against transformers in test_model_parity.py) with random, non-unit norm weights, for stacked and
+   per-layer buffers, the XLA-dot and the decode-kernel paths, qkv bias + q/k norms, and engine decode steps.
+2. The kernel count: the Llama-3.1-8B decode step (2 layers, batch 32 x 1k) compiled for an sm_90 GPU WITHOUT a GPU
+   has at most 10 kernels per layer with folded norms (12 before: the norm was its own Triton kernel after the
+   residual add). Needs the CUDA 12 PJRT plugin (not a tbjax dependency):
+       pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
+   ($TBJAX_CUDA12_PLUGIN_DIR, default /tmp/cuda12plugin); skipped, saying so, without it. The compile runs in
+   scripts/gpu_hlo_decode.py (a subprocess, so the plugin never loads into the test process).
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import byte_tokenizer, tiny_spec
+from tbjax.engine import Engine, EngineConfig
+from tbjax.model import forward_hidden, init_params, lm_logits
+from tbjax.model import layers as ly
+from tbjax.model.kinds import fold_norms
+from tbjax.model.params import split_layer_buffers
+from tbjax.sampling import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_hlo_decode as ghd  # noqa: E402
+
+PLUGIN = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
+HAVE_PLUGIN = os.path.isdir(os.path.join(PLUGIN, "jax_plugins", "xla_cuda12"))
+MAX_KERNELS_PER_LAYER = 10          # reached with folded norms (12 unfolded), RESULTS.md
+
+
+def _params(spec, seed, dtype):
+    """Random weights with norm weights far from 1 (a fold on the wrong axis, or none, shows)."""
+    p = init_params(spec, jax.random.key(seed), "float32", std=0.1)
+    rng = np.random.default_rng(seed)
+    groups = {g: {k: (jnp.asarray(rng.uniform(0.3, 2.0, v.shape), jnp.float32) if k.endswith("norm") else v)
+                  for k, v in gp.items()} for g, gp in p["groups"].items()}
+    return jax.tree.map(lambda a: a.astype(dtype), {**p, "groups": groups})
+
+
+def _logits(spec, toks, params, impl=None):
+    pos = jnp.arange(toks.shape[0], dtype=jnp.int32)
+
+    def attend(layer, q, k, v, cache):
+        seg = jnp.zeros(q.shape[:1], jnp.int32)
+        return ly.dense_causal_attention(q, k, v, pos, seg, scale=q.shape[-1] ** -0.5), cache
+    f = jax.jit(lambda p: lm_logits(p, spec, forward_hidden(p, spec, toks, pos, attend, [None] * spec.n_layers,
+                                                           kernel_impl=impl)[0], kernel_impl=impl))
+    return np.asarray(f(params), np.float64)
+
+
+def test_fold_norms_rewrites_the_tree():
+    spec = tiny_spec()
+    p = _params(spec, 0, jnp.float32)
+    f = fold_norms(spec, p)
+    (g,) = p["groups"]
+    for norm, w in (("attn_norm", "w_qkv"), ("mlp_norm", "w_gate_up")):
+        assert norm not in f["groups"][g] and norm + "_folded" in f["groups"][g]
+        want = np.asarray(p["groups"][g][w], np.float64)
+        n = np.asarray(p["groups"][g][norm], np.float64)
+        want = want * n.reshape(n.shape + (1,) * (want.ndim - n.ndim))
+        np.testing.assert_allclose(np.asarray(f["groups"][g][w]), want, rtol=1e-6)
+    assert fold_norms(spec, f)["groups"][g]["w_qkv"] is f["groups"][g]["w_qkv"]      # folding twice: no-op
+    np.testing.assert_array_equal(np.asarray(f["groups"][g]["w_o"]), np.asarray(p["groups"][g]["w_o"]))
+    # per-layer buffers fold to the same matrices
+    fs = fold_norms(spec, split_layer_buffers(p))
+    for i in range(spec.n_layers):
+        np.testing.assert_array_equal(np.asarray(fs["groups"][g]["w_gate_up"][i]),
+                                      np.asarray(f["groups"][g]["w_gate_up"][i]))
+
+
+def test_fold_norms_bad_input():
+    spec = tiny_spec()
+    p = _params(spec, 0, jnp.float32)
+    (g,) = p["groups"]
+    no_norm = {**p, "groups": {g: {k: v for k, v in p["groups"][g].items() if k != "attn_norm"}}}
+    with pytest.raises(KeyError, match="attn_norm"):
+        fold_norms(spec, no_norm)
+    ints = {**p, "groups": {g: {**p["groups"][g], "w_qkv": p["groups"][g]["w_qkv"].astype(jnp.int8)}}}
+    with pytest.raises(TypeError, match="int8"):
+        fold_norms(spec, ints)
+    bad = {**p, "groups": {g: {**p["groups"][g], "attn_norm": p["groups"][g]["attn_norm"][:, :-1]}}}
+    with pytest.raises(ValueError, match="attn_norm"):
+        fold_norms(spec, bad)
+    # a tree with neither the norm nor its folded form is refused by the layer, naming both
+    with pytest.raises(KeyError, match="attn_norm_folded"):
+        _logits(spec, jnp.asarray([1, 2], jnp.int32), no_norm)
+
+
+@pytest.mark.parametrize("kw", [{}, {"qkv_bias": True, "qk_norm": True}], ids=["llama", "bias+qknorm"])
+def test_folded_forward_matches_float32(kw):
+    spec = tiny_spec(**kw)
+    p32 = _params(spec, 1, jnp.float32)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab_size, 7), jnp.int32)
+    ref = _logits(spec, toks, p32)
+    scale = np.abs(ref).max()
+    got = _logits(spec, toks, fold_norms(spec, p32))
+    assert np.abs(got - ref).max() / scale < 1e-5
+    got_split = _logits(spec, toks, fold_norms(spec, split_layer_buffers(p32)))
+    assert np.abs(got_split - ref).max() / scale < 1e-5
+    # bf16: the folded model is as close to float32 as the unfolded one (rounding moves from activations to weights)
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
+    ref16w = _logits(spec, toks, jax.tree.map(lambda a: a.astype(jnp.float32), p16))
+    err_unfolded = np.abs(_logits(spec, toks, p16) - ref16w).max() / scale
+    err_folded = np.abs(_logits(spec, toks, fold_norms(spec, p16)) - ref16w).max() / scale
+    assert err_folded < 2 * err_unfolded + 1e-3, (err_folded, err_unfolded)
+
+
+def test_folded_forward_through_the_decode_kernel():
+    """Decode projections through the weight-streaming kernel (interpret mode) read the folded stacks in place."""
+    spec = tiny_spec(dtype="bfloat16")
+    p32 = _params(spec, 2, jnp.float32)
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
+    toks = jnp.asarray([3, 1, 4, 1, 5], jnp.int32)
+    ref16w = _logits(spec, toks, jax.tree.map(lambda a: a.astype(jnp.float32), p16))
+    scale = np.abs(ref16w).max()
+    err_xla = np.abs(_logits(spec, toks, p16) - ref16w).max() / scale
+    err_ker = np.abs(_logits(spec, toks, fold_norms(spec, p16), impl="gpu") - ref16w).max() / scale
+    assert err_ker < 2 * err_xla + 1e-3, (err_ker, err_xla)
+
+
+def test_engine_decode_with_folded_norms():
+    """Paged prefill + decode steps (ModelRunner's jitted step) over folded params: float32, same greedy tokens and
+    log-probs as over the original params."""
+    spec = tiny_spec()
+    params = _params(spec, 3, jnp.float32)
+    outs = {}
+    for name, p in (("plain", params), ("folded", fold_norms(spec, params))):
+        eng = Engine(spec, p, byte_tokenizer(), EngineConfig(num_pages=64, page_size=4, max_num_seqs=4))
+        got = {0: [], 1: []}
+        lps = []
+        eng.add_request(0, [5, 6, 7, 8, 9], SamplingParams.greedy(6, ignore_eos=True, logprobs=1))
+        eng.add_request(1, [10, 11, 12], SamplingParams.greedy(6, ignore_eos=True, logprobs=1))
+        for _ in range(50):
+            if not eng.has_unfinished():
+                break
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+                lps += [float(lp[0]) for lp in (o.logprobs or [])]
+        outs[name] = (got, lps)
+    assert outs["plain"][0] == outs["folded"][0] and all(len(v) == 6 for v in outs["plain"][0].values())
+    assert len(outs["plain"][1]) == 12
+    np.testing.assert_allclose(outs["folded"][1], outs["plain"][1], atol=1e-4)
+
+
+SYNTH = """HloModule m
+
+%attn (p0: bf16[2,4], p1: s32[8]) -> bf16[2,4] {
+  %p0 = bf16[2,4]{1,0} parameter(0)
+  ROOT %cc = bf16[2,4]{1,0} custom-call(%p0), custom_call_target="mosaic_gpu_v2"
+}
+
+%norm (p0: bf16[2,4]) -> bf16[2,4] {
+  %r = f32[2]{0} reduce(%x, %c), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main (a: bf16[2,4], w: bf16[4,4]) -> bf16[2,4] {
+  %a = bf16[2,4]{1,0} parameter(0)
+  %n0 = bf16[2,4]{1,0} fusion(%a), kind=kCustom, calls=%norm, backend_config={"fusion_backend_config":{"kind":"__triton","block_level_fusion_config":{}}}
+  %g0 = f32[2,4]{1,0} fusion(%n0, %w), kind=kCustom, calls=%gemm_fusion_dot_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %at0 = bf16[2,4]{1,0} fusion(%g0, %i), kind=kCustom, calls=%attn
+  %b0 = bf16[2,4]{1,0} bitcast(%at0)
+  %add0 = bf16[2,4]{1,0} fusion(%a, %b0), kind=kLoop, calls=%fused_add.3
+  %at1 = bf16[2,4]{1,0} fusion(%add0, %i), kind=kCustom, calls=%attn
+  ROOT %t = (bf16[2,4]) tuple(%at1)
+}
+"""
+
+
+def test_analyse_counts_the_kernels_of_a_layer():
+    r = ghd.analyse(SYNTH, 2)
+    assert r["total_kernels"] == 5                       # bitcast, tuple, parameter launch nothing
+    assert r["kernels_per_layer"] == 2, r["layers"]      # attention .. next attention: itself + the add
+    assert r["kinds_per_layer"] == {"attention (Mosaic GPU custom call)": 1, "loop fusion (add0)": 1}
+    assert [k["kind"] for k in r["head"]] == ["triton block-level fusion (normalization)", "gemm fusion (triton)"]
+    with pytest.raises(RuntimeError, match="expected 3 anchor kernels"):
+        ghd.analyse(SYNTH, 3)
+
+
+@pytest.mark.skipif(not HAVE_PLUGIN, reason=f"jax-cuda12-plugin not found in {PLUGIN} (set TBJAX_CUDA12_PLUGIN_DIR; "
+                    "install with pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 "
+                    "jax-cuda12-pjrt==0.11.2)")
+def test_decode_step_kernels_per_layer_on_gpu():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_hlo_decode.py"), "--layers", "2",
+                          "--variants", "stacked:folded", "--no-thunks", "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["variants"]
+    layer = [f"{k['name']} [{k['kind']}]" for k in r["layers"][-1]]
+    assert r["kernels_per_layer"] <= MAX_KERNELS_PER_LAYER, \
+        f"{r['kernels_per_layer']} kernels per decode layer (at most {MAX_KERNELS_PER_LAYER}): {r['kinds_per_layer']}" \
+        f"; schedule {layer}"
+    kinds = r["kinds_per_layer"]
+    assert kinds.get("attention (Mosaic GPU custom call)") == 1 and kinds.get("gemm fusion (triton)") == 4, kinds
+    assert not any("normalization" in k for k in kinds), f"a separate norm kernel is back: {kinds}"

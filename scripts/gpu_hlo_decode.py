@@ -65,12 +65,12 @@ def classify(name: str, op: str, rest: str, comps: dict[str, list[str]]) -> str:
         body = "\n".join(comps.get(callee, []))
         if 'custom_call_target="mosaic_gpu' in body:
             return "attention (Mosaic GPU custom call)"
+        if cfg == "__cublas" or 'custom_call_target="__cublas' in body:
+            return "gemm (cublas)" + (" in a dynamic-slice fusion" if "dynamic-slice" in callee else "")
         if "custom-call(" in body:
             return "custom call in a fusion"
         if cfg in ("__triton_gemm", "__triton_nested_gemm_fusion") or callee.startswith("gemm_fusion"):
             return "gemm fusion (triton)"
-        if cfg == "__cublas" or "__cublas" in body:
-            return "gemm (cublas)"
         if cfg == "__triton" and "block_level_fusion_config" in rest:
             red = " reduce(" in body
             return "triton block-level fusion" + (" (normalization)" if red else "")

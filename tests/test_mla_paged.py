@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels.paged_attention import write_kv
 from pallas_kernels.paged_attention.reference import paged_attention_reference
-from tbjax.engine.mla_paged import latent_attention, latent_heads, write_latent
+from tbjax.engine.mla_paged import latent_attention, latent_decode_attention, latent_heads, write_latent
 
 
 def _case(rng, C, dtype, G=4, P=24):
@@ -57,3 +57,44 @@ def test_split_latent_pool_fp8_close_to_float():
     assert np.all(sc8[np.asarray(args[0]).ravel()[np.asarray(args[0]).ravel() > 0]] > 0)   # every used page scaled
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 1e-4 < err < 0.08, err                             # e4m3: 3 mantissa bits, per-page-and-half scales
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_decode_path_equals_reference(dtype):
+    """latent_decode_attention (all sequences at once, the engine's decode step) against the GQA reference over the
+    whole-latent pool (one query row per sequence; a padding row with kv_len 0 gives zeros)."""
+    rng = np.random.default_rng(11)
+    C, G, P, N = 41, 4, 40, 6
+    kv_lens = [9, 1, 14, 0, 23]
+    S = len(kv_lens)
+    Pmax = -(-max(kv_lens) // G)
+    perm = rng.permutation(np.arange(1, P))
+    bt = np.zeros((S, Pmax), np.int32)
+    slots, k = [], 0
+    for s, n in enumerate(kv_lens):
+        npg = -(-n // G)
+        bt[s, :npg] = perm[k:k + npg]
+        k += npg
+        slots += [bt[s, j // G] * G + j % G for j in range(n)]
+    lat = jnp.asarray(rng.normal(size=(len(slots), C)) * 2.0, jnp.float32)
+    q = jnp.asarray(rng.normal(size=(S, N, C)), jnp.float32)
+    K, Hh = latent_heads(C)
+    fp8 = jnp.dtype(dtype).itemsize == 1
+    split, sc = write_latent(jnp.zeros((P, G, 2 * K, Hh), dtype), jnp.zeros((P, 2), jnp.float32) if fp8 else None,
+                             lat, jnp.asarray(slots, jnp.int32))
+    whole, _ = write_kv(jnp.zeros((P, G, 2, C), jnp.float32), None, lat[:, None], lat[:, None],
+                        jnp.asarray(slots, jnp.int32))
+    args = (jnp.asarray(bt), jnp.asarray(kv_lens, jnp.int32))
+    qd = q.astype(jnp.bfloat16) if dtype == jnp.bfloat16 else q
+    got = np.asarray(jax.jit(lambda *a: latent_decode_attention(*a, scale=0.1, kv_scales_PK=sc))(
+        qd, split, *args)).astype(np.float32)
+    want = np.asarray(paged_attention_reference(q, whole, *args, jnp.arange(S + 1, dtype=jnp.int32), scale=0.1))
+    assert np.all(got[3] == 0)                                # nothing to attend to
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:   # bf16 inputs / e4m3 latents: against the float32 math, and the fp8 one equal to the scan definition
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < (0.03 if dtype == jnp.bfloat16 else 0.08), err
+        if fp8:
+            scan = latent_attention(q, split, *args, jnp.arange(S + 1, dtype=jnp.int32), scale=0.1, kv_scales_PK=sc)
+            np.testing.assert_allclose(got, np.asarray(scan), rtol=1e-5, atol=1e-5)

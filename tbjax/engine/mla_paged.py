@@ -9,7 +9,11 @@ treats pools generically keeps working unchanged: the page allocator, prefix sha
 per-page scales (one scale per half), KV export/transfer between engines.
 
 Reading it needs the halves joined, which the GQA kernels don't do: `latent_attention` is the jnp definition
-(gathers each sequence's pages, joins the halves, MQA with the latent as key and value), used on every platform.
+(gathers each sequence's pages, joins the halves, MQA with the latent as key and value), used for mixed
+(prefill) steps; it loops over sequences and scores every query row against each, so its cost grows with S x T.
+`latent_decode_attention` is the decode step's path (one query row per sequence): every sequence at once, one
+batched gather of the latents and two batched matmuls in the model's dtype with float32 accumulation, O(S x N x L x
+C) like the GQA kernels' work (the scan costs S times that at decode).
 """
 from __future__ import annotations
 
@@ -71,6 +75,32 @@ def latent_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens
 
     out, _ = lax.scan(one_sequence, jnp.zeros((T, N, C), jnp.float32), jnp.arange(S, dtype=jnp.int32))
     return out.astype(q_TNC.dtype)
+
+
+def latent_decode_attention(q_SNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale: float, kv_scales_PK=None):
+    """Absorbed MLA attention for a decode batch: sequence s's one query row (position kv_len - 1) against its
+    latents 0 .. kv_len - 1. q_SNC [S, N, C]; returns [S, N, C] in q's dtype (zeros where kv_len is 0). Products in
+    q's dtype with float32 accumulation (exact float32 math for float32 models); fp8 latents are scaled in float32
+    first."""
+    S, N, C = q_SNC.shape
+    _, G, two, Hh = kv_pages_PGKH.shape
+    if two != 2 or 2 * Hh < C:
+        raise ValueError(f"pool {kv_pages_PGKH.shape} does not hold a {C}-dim latent split in two halves")
+    L = block_tables_SP.shape[1] * G
+    cdt = q_SNC.dtype
+    pages = kv_pages_PGKH[block_tables_SP]                                 # [S, Pb, G, 2, Hh]
+    if kv_scales_PK is not None:
+        pages = pages.astype(jnp.float32) * kv_scales_PK[block_tables_SP][:, :, None, :, None]
+    lat_SLC = pages.astype(cdt).reshape(S, L, 2 * Hh)[..., :C]             # K half then V half, joined
+    prec = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
+    logits = jnp.einsum("snc,slc->snl", q_SNC, lat_SLC, preferred_element_type=jnp.float32, precision=prec) * scale
+    mask_SL = jnp.arange(L, dtype=jnp.int32)[None, :] < kv_lens_S[:, None]
+    logits = jnp.where(mask_SL[:, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.where(mask_SL[:, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("snl,slc->snc", p.astype(cdt), lat_SLC, preferred_element_type=jnp.float32, precision=prec)
+    return (o / jnp.where(l > 0, l, 1.0)).astype(q_SNC.dtype)
 
 
 def latent_dims(spec) -> int:

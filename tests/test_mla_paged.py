@@ -7,7 +7,8 @@ import pytest
 
 from pallas_kernels.paged_attention import write_kv
 from pallas_kernels.paged_attention.reference import paged_attention_reference
-from tbjax.engine.mla_paged import latent_attention, latent_decode_attention, latent_heads, write_latent
+from tbjax.engine.mla_paged import (latent_attention, latent_decode_attention, latent_heads, latent_mixed_attention,
+                                    write_latent)
 
 
 def _case(rng, C, dtype, G=4, P=24):
@@ -46,6 +47,9 @@ def test_split_latent_pool_equals_whole_latent_reference(C):
     got = latent_attention(q, split, *args, scale=0.1)
     want = paged_attention_reference(q, whole, *args, scale=0.1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # the engine's mixed-step path: the one-row sequence through the batched decode path, the others scanned
+    mixed = jax.jit(lambda *a: latent_mixed_attention(*a, scale=0.1))(q, split, *args)
+    np.testing.assert_allclose(np.asarray(mixed), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_split_latent_pool_fp8_close_to_float():

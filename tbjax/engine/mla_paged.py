@@ -13,7 +13,8 @@ Reading it needs the halves joined, which the GQA kernels don't do: `latent_atte
 (prefill) steps; it loops over sequences and scores every query row against each, so its cost grows with S x T.
 `latent_decode_attention` is the decode step's path (one query row per sequence): every sequence at once, one
 batched gather of the latents and two batched matmuls in the model's dtype with float32 accumulation, O(S x N x L x
-C) like the GQA kernels' work (the scan costs S times that at decode).
+C) like the GQA kernels' work (the scan costs S times that at decode). Mixed steps (`latent_mixed_attention`) send
+their decodes the same way and scan only the sequences that prefill.
 """
 from __future__ import annotations
 
@@ -48,13 +49,14 @@ def _sequence_latents(kv_pages_PGKH, kv_scales_PK, block_table_P, C):
 
 
 def latent_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale: float,
-                     kv_scales_PK=None):
+                     kv_scales_PK=None, sequences_S=None):
     """Absorbed MLA attention over the latent cache: o[t, n] = softmax_j(scale * q[t, n] . lat_j) @ lat_j.
 
     q_TNC [T, N, C] (C = the latent's dims); queries rows cu_q_lens[s]:cu_q_lens[s+1] belong to sequence s at
     positions kv_len - q_len .. kv_len - 1 and see latents j <= their position (the paged-attention semantics of
     pallas_kernels.paged_attention.reference). A decode batch is the case cu_q_lens = 0..S. Returns [T, N, C] in
-    q's dtype; rows that see nothing are zeros. One sequence at a time (lax.scan): memory O(T * N * L)."""
+    q's dtype; rows that see nothing are zeros. One sequence at a time (lax.scan): memory O(T * N * L).
+    ``sequences_S`` (bool [S], optional): compute only these sequences (the others' rows are zeros)."""
     T, N, C = q_TNC.shape
     S = block_tables_SP.shape[0]
     L = block_tables_SP.shape[1] * kv_pages_PGKH.shape[1]
@@ -63,6 +65,11 @@ def latent_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens
     pos_L = jnp.arange(L, dtype=jnp.int32)
 
     def one_sequence(acc_TNC, s):
+        if sequences_S is None:
+            return add_sequence(acc_TNC, s)
+        return lax.cond(sequences_S[s], add_sequence, lambda a, _: (a, None), acc_TNC, s)
+
+    def add_sequence(acc_TNC, s):
         lat_LC = _sequence_latents(kv_pages_PGKH, kv_scales_PK, block_tables_SP[s], C)
         logits = jnp.einsum("tnc,lc->tnl", q, lat_LC, precision=lax.Precision.HIGHEST) * scale
         mask = (pos_L[None, :] <= pos_T[:, None]) & (pos_L[None, :] < kv_lens_S[s]) & (valid_T & (seg_T == s))[:, None]
@@ -101,6 +108,21 @@ def latent_decode_attention(q_SNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, *,
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("snl,slc->snc", p.astype(cdt), lat_SLC, preferred_element_type=jnp.float32, precision=prec)
     return (o / jnp.where(l > 0, l, 1.0)).astype(q_SNC.dtype)
+
+
+def latent_mixed_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale: float,
+                           kv_scales_PK=None):
+    """`latent_attention` for a mixed step: the sequences with one query row (the decodes) go through
+    `latent_decode_attention` together, the scan computes only the sequences with several rows (prefill chunks)."""
+    T = q_TNC.shape[0]
+    q_lens_S = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
+    single_S = q_lens_S == 1
+    last_S = jnp.clip(cu_q_lens_S1[1:] - 1, 0, T - 1)
+    dec_SNC = latent_decode_attention(q_TNC[last_S], kv_pages_PGKH, block_tables_SP,
+                                      jnp.where(single_S, kv_lens_S, 0), scale=scale, kv_scales_PK=kv_scales_PK)
+    out = latent_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, scale=scale,
+                           kv_scales_PK=kv_scales_PK, sequences_S=q_lens_S > 1)
+    return out.at[jnp.where(single_S, last_S, T)].set(dec_SNC, mode="drop")
 
 
 def latent_dims(spec) -> int:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
-from tbjax.engine.mla_paged import latent_attention, latent_decode_attention, write_latent
+from tbjax.engine.mla_paged import latent_decode_attention, latent_mixed_attention, write_latent
 from tbjax.model.linear import kernel_impl_for
 from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
@@ -134,8 +134,8 @@ def _step(params, caches, ints, floats, prev_tokens_M=None, *, layout, spec: Mod
                 o = latent_decode_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], scale=scale,
                                             kv_scales_PK=scales)
             else:
-                o = latent_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"],
-                                     scale=scale, kv_scales_PK=scales)
+                o = latent_mixed_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"],
+                                           scale=scale, kv_scales_PK=scales)
             return o, (pages, scales)
         pages, scales = write_kv(pages, scales, k, v, inp["slots_T"])
         window = spec.layer_window(layer)

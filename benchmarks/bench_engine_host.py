@@ -55,8 +55,9 @@ def measure(batch: int, prompt: int, steps: int, device_ms: float, overlap: bool
     from tbjax.sampling import SamplingParams
 
     spec, params = tiny_model()
-    eng = Engine(spec, params, byte_tokenizer(), EngineConfig(num_pages=4096, page_size=16, max_num_seqs=batch,
-                                                              max_num_batched_tokens=4096,
+    pages = batch * -(-(prompt + steps + 20) // 16) + 1
+    eng = Engine(spec, params, byte_tokenizer(), EngineConfig(num_pages=pages, page_size=16, max_num_seqs=batch,
+                                                              max_num_batched_tokens=max(4096, batch * prompt),
                                                               overlap_scheduling=overlap))
     dev = SimulatedDevice(device_ms * 1e-3)
     eng.runner.launch, eng.runner.fetch = dev.launch, dev.fetch

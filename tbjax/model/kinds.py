@@ -115,7 +115,9 @@ def fold_norms(spec: ModelSpec, params):
     w[.., d, :] *= norm[.., d]; the norm weights move to <norm>_folded. Groups of other kinds (MLA, MoE) are left
     as they are; an already folded group is returned unchanged. Works on stacked [L, ...] arrays and on per-layer
     buffers (lists, tbjax/model/params.py split_layer_buffers). The folded matrices are new arrays (the caller drops
-    the originals). Forwards over the folded tree equal those over the original up to the weights' rounding."""
+    the originals). Forwards over the folded tree equal those over the original up to the weights' rounding.
+    For the single-device forwards (forward_hidden: engine steps, forward_dense); the decode-mesh forward
+    (mesh_forward.py) packs attention weights itself and takes unfolded trees."""
     groups = {}
     for g in spec.layer_groups:
         if g.name not in params["groups"]:

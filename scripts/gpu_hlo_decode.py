@@ -233,8 +233,14 @@ def table(results: list[dict]) -> str:
 def thunk_summary(text: str) -> dict:
     """Top-level entries of XLA's thunk sequence (after its thunk passes): command buffers (one CUDA-graph launch
     each, holding many kernels) and the thunks launched outside them (custom calls, conditionals, ...)."""
-    top = collections.Counter(m.group(1) for m in re.finditer(r"^\d+: (k\w+)", text, re.M))
-    inside = len(re.findall(r"^ {4}\d+: k\w+", text, re.M))
+    top, inside, parent = collections.Counter(), 0, None
+    for ln in text.splitlines():
+        m = re.match(r"^\d+: (k\w+)", ln)
+        if m:
+            parent = m.group(1)
+            top[parent] += 1
+        elif parent == "kCommandBuffer" and re.match(r"^ {4}\d+: k\w+", ln):
+            inside += 1
     return {"top_level": dict(sorted(top.items())), "in_command_buffers": inside}
 
 

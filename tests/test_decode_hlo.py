@@ -184,6 +184,11 @@ def test_analyse_counts_the_kernels_of_a_layer():
     assert [k["kind"] for k in r["head"]] == ["triton block-level fusion (normalization)", "gemm fusion (triton)"]
     with pytest.raises(RuntimeError, match="expected 3 anchor kernels"):
         ghd.analyse(SYNTH, 3)
+    thunks = ("000: kCommandBuffer [source | next=002 (1)]\n    001: kCustomKernel [source | sink] gemm_fusion_dot\n"
+              "002: kDynamicSliceFusion [prev=000 (1) | next=000 (1)] params=4\n    003: kCustomCall [source | sink]\n"
+              "000: kCommandBuffer [prev=002 (1) | sink]\n    004: kCustomKernel [source | sink] loop_add_fusion\n")
+    assert ghd.thunk_summary(thunks) == {"top_level": {"kCommandBuffer": 2, "kDynamicSliceFusion": 1},
+                                         "in_command_buffers": 2}
 
 
 @pytest.mark.skipif(not HAVE_PLUGIN, reason=f"jax-cuda12-plugin not found in {PLUGIN} (set TBJAX_CUDA12_PLUGIN_DIR; "

@@ -16,7 +16,17 @@ latency percentiles (p50/p90/p99, mean) and throughput (requests/s, output and t
     # both, same engine, one run: offline first, then over gRPC; prints the throughput ratio
     python benchmarks/load_test.py --spawn model --compare-offline --num-requests 64 --concurrency 16
 
+    # CPU proxy of an H200-rate engine: the fake engine at 8.5 ms a step (host work overlapped), batch 128,
+    # the engine in a child process, the client in another process (benchmarks/RESULTS.md, issue 7)
+    python benchmarks/load_test.py --spawn fake --compare-offline --num-requests 768 --concurrency 128 \
+        --max-num-seqs 128 --prompt-len uniform:128:1024 --output-len uniform:64:256 --fake-step-time 0.0085 \
+        --fake-overlap --fake-page-size 16 --max-model-len 1280 --max-num-batched-tokens 4096 \
+        --engine-process --client-process
+
 Length distributions: ``N`` (fixed), ``uniform:LO:HI`` (inclusive), ``normal:MEAN:STD`` (rounded, >= 1).
+Besides latency and throughput, a pass run with ``--spawn`` reports the engine's steps (ms per step, output
+tokens per step: a slower engine vs idle batch slots) and the CPU time per output token of each thread /
+process (where the front end's time goes), and a gRPC pass the server's own latency means.
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import math
 import os
 import platform
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -214,6 +225,8 @@ def run_offline(engine, make_params, jobs: list[Job], args) -> tuple[list[Result
     pending = sorted(jobs, key=lambda j: j.arrival_s)
     live: dict[str, tuple[Result, float, list]] = {}
     results = []
+    args._steps = 0   # engine steps of this pass (reported next to the throughput)
+    cpu0 = _cpu_by_thread()
     t_start = time.perf_counter()
     while pending or live:
         now = time.perf_counter()
@@ -228,6 +241,7 @@ def run_offline(engine, make_params, jobs: list[Job], args) -> tuple[list[Result
                 time.sleep(max(0.0, min(0.01, t_start + pending[0].arrival_s - time.perf_counter())))
             continue
         outs = engine.step()
+        args._steps += 1
         now = time.perf_counter()
         for o in outs:
             res, t0, last = live[o.request_id]
@@ -242,6 +256,7 @@ def run_offline(engine, make_params, jobs: list[Job], args) -> tuple[list[Result
                 res.e2e, res.ok = now - t0, True
                 results.append(res)
                 del live[o.request_id]
+    args._cpu = {k: v - cpu0.get(k, 0.0) for k, v in _cpu_by_thread().items()}
     return results, time.perf_counter() - t_start
 
 
@@ -300,12 +315,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="warm up with the measured workload itself (every shape bucket compiled before measuring)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="with --spawn: engine batch slots")
     ap.add_argument("--num-pages", type=int, default=None, help="with --spawn: KV pages")
-    ap.add_argument("--fake-step-time", type=float, default=0.0, help="with --spawn fake: seconds per step")
+    ap.add_argument("--fake-step-time", type=float, default=0.0,
+                    help="with --spawn fake: the device's seconds per step (sleeps, GIL free)")
+    ap.add_argument("--fake-overlap", action="store_true",
+                    help="with --spawn fake: the step's host work runs inside --fake-step-time (a step lasts max(step "
+                         "time, host work), as in an engine that prepares step N+1 while the device runs step N); "
+                         "default: host work + step time")
+    ap.add_argument("--fake-page-size", type=int, default=None, help="with --spawn fake: KV page size (default 4)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="with --spawn fake: context limit (default 512)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="with --spawn fake: token budget per step (default 512)")
     ap.add_argument("--layer-buffers", default=None, choices=["stacked", "split", "auto"],
                     help="with --spawn model/synthetic: EngineConfig.layer_buffers (split: faster compiles)")
     ap.add_argument("--pad-batch", action="store_true",
                     help="with --spawn model/synthetic: every step padded to the full batch bucket (max-num-seqs), so "
                          "fewer shape buckets compile (both paths run the same programs)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="with --spawn fake: the gRPC pass's server runs its engine in a child process "
+                         "(serving.engine_proc: off the server's GIL); an engine of the same configuration, so the "
+                         "offline pass (this process's engine) is the same workload on the same engine code")
+    ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"],
+                    help="the event loop of the server (with --spawn) and of this tool's gRPC client")
     ap.add_argument("--client-process", action="store_true",
                     help="with --spawn: the gRPC client runs in a second process (the server's process then holds only "
                          "the server and the engine, as in deployment; in one process the client's Python work shares "
@@ -314,6 +344,54 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs-file", help=argparse.SUPPRESS)       # --client-process child: the workload to send
     ap.add_argument("--results-file", help=argparse.SUPPRESS)    # --client-process child: where its results go
     return ap
+
+
+def _cpu_by_thread(child_pid: int | None = None) -> dict:
+    """CPU seconds (user + system) so far of this process's threads, grouped by Python thread name ("tbjax-grpc" =
+    the server's asyncio loop, "tbjax-engine", "MainThread", "asyncio_*" = to_thread workers; threads Python does
+    not know, e.g. gRPC's core pollers: "native"), plus the engine child process when given (Linux /proc)."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(path):
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            return 0.0
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        name = names.get(int(tid), "native")
+        name = "to_thread workers" if name.startswith("asyncio_") else name
+        out[name] = out.get(name, 0.0) + cpu(f"/proc/self/task/{tid}/stat")
+    if child_pid:
+        out["engine process"] = cpu(f"/proc/{child_pid}/stat")
+    return out
+
+
+def _server_means_ms(metrics) -> dict:
+    """Mean of the server's own latency histograms (ms), from its Prometheus metrics: where a request's time
+    goes inside the server (tokenize = arrival to validated, queue = to admitted by the engine, first_token =
+    admitted to the first token handed to gRPC) vs what the client sees."""
+    out = {}
+    for hist, prefix in ((metrics.ttft, "ttft"), (metrics.phase, ""), (metrics.itl, "itl")):
+        sums, counts = {}, {}
+        for fam in hist.collect():
+            for smp in fam.samples:
+                key = prefix or smp.labels.get("phase", "?")
+                if smp.name.endswith("_sum"):
+                    sums[key] = smp.value
+                elif smp.name.endswith("_count"):
+                    counts[key] = smp.value
+        out.update({k: sums[k] / counts[k] * 1e3 for k in sums if counts.get(k)})
+    return out
 
 
 def _client_process(a, tgt: str, job_list: list[Job]) -> tuple[list[Result], float]:
@@ -328,7 +406,8 @@ def _client_process(a, tgt: str, job_list: list[Job]) -> tuple[list[Result], flo
         cmd = [sys.executable, os.path.abspath(__file__), "--target", tgt, "--jobs-file", jf, "--results-file", rf,
                "--num-requests", str(len(job_list)), "--concurrency", str(a.concurrency),
                "--request-rate", str(a.request_rate), "--temperature", str(a.temperature), "--timeout", str(a.timeout),
-               "--channels", str(a.channels), "--warmup", "0"] + ([] if a.ignore_eos else ["--no-ignore-eos"])
+               "--channels", str(a.channels), "--warmup", "0", "--event-loop", a.event_loop] \
+            + ([] if a.ignore_eos else ["--no-ignore-eos"])
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"client process failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -340,6 +419,16 @@ def _client_process(a, tgt: str, job_list: list[Job]) -> tuple[list[Result], flo
 from serving.synthetic import synthetic_served_model  # noqa: E402  (moved to serving/; kept importable here)
 
 
+def _fake_engine_kwargs(a) -> dict:
+    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
+                            ("page_size", a.fake_page_size), ("max_model_len", a.max_model_len),
+                            ("max_num_batched_tokens", a.max_num_batched_tokens)) if v is not None}
+    if a.num_pages is None:   # enough pages for every slot at the full context: no preemption
+        ps, mml, seqs = a.fake_page_size or 4, a.max_model_len or 512, a.max_num_seqs or 64
+        kw["num_pages"] = max(512, seqs * -(-mml // ps) + 1)
+    return dict(kw, step_time_s=a.fake_step_time, overlap=a.fake_overlap)
+
+
 def _spawn_model(a):
     from serving.model import ServedModel, model_name_for_path
     if a.spawn == "synthetic":
@@ -348,8 +437,7 @@ def _spawn_model(a):
         return synthetic_served_model(a.synthetic_layers, **kw)
     if a.spawn == "fake":
         from serving.fake_engine import fake_served_model
-        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages)) if v is not None}
-        return fake_served_model(step_time_s=a.fake_step_time, **kw)
+        return fake_served_model(**_fake_engine_kwargs(a))
     import tbjax
     kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
                             ("layer_buffers", a.layer_buffers)) if v is not None}
@@ -362,6 +450,13 @@ def main(argv=None) -> dict:
         raise SystemExit("--offline / --compare-offline need --spawn (the engine must be in this process)")
     if a.num_requests < 1:
         raise SystemExit("--num-requests must be >= 1")
+    fake_only = [f for f, v in (("--fake-overlap", a.fake_overlap), ("--fake-page-size", a.fake_page_size),
+                                ("--max-model-len", a.max_model_len), ("--fake-step-time", a.fake_step_time),
+                                ("--max-num-batched-tokens", a.max_num_batched_tokens)) if v]
+    if a.engine_process:
+        fake_only.append("--engine-process")
+    if fake_only and a.spawn != "fake":
+        raise SystemExit(f"{', '.join(fake_only)}: only with --spawn fake")
     model = None
     if a.spawn:
         model = _spawn_model(a)
@@ -394,8 +489,26 @@ def main(argv=None) -> dict:
     def record(mode, results, duration, label):
         runs[mode] = (results, duration, label)
         summary = summarize(results, duration)
+        if a.spawn:   # engine steps during the pass: a slower step rate vs idle slots (fewer tokens per step)
+            steps = getattr(a, "_steps", 0)
+            summary["engine_steps"] = steps
+            summary["engine_ms_per_step"] = duration / steps * 1e3 if steps else None
+            summary["output_tokens_per_step"] = summary["output_tokens"] / steps if steps else None
+            cpu = {k: v for k, v in sorted(getattr(a, "_cpu", {}).items(), key=lambda kv: -kv[1]) if v > 0}
+            summary["cpu_s"] = cpu
+            if mode == "grpc":
+                summary["server_mean_ms"] = getattr(a, "_server_ms", {})
+            summary["cpu_us_per_output_token"] = {k: v / max(summary["output_tokens"], 1) * 1e6
+                                                  for k, v in cpu.items()}
         print_table(summary, f"{label}: {a.num_requests} requests, rate {a.request_rate}, "
                              f"concurrency {a.concurrency or 'unlimited'}")
+        if summary.get("engine_steps"):
+            print(f"engine: {summary['engine_steps']} steps, {summary['engine_ms_per_step']:.2f} ms per step, "
+                  f"{summary['output_tokens_per_step']:.1f} output tokens per step")
+            print("CPU us per output token: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                          summary["cpu_us_per_output_token"].items()))
+        if summary.get("server_mean_ms"):
+            print("server-side means (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in summary["server_mean_ms"].items()))
         report[mode] = summary
         if a.out:     # partial results survive a timeout
             with open(a.out, "w") as f:
@@ -407,16 +520,33 @@ def main(argv=None) -> dict:
             from serving.limits import Limits
             from serving.server import ServerThread
             n = max(a.num_requests, a.warmup, 1)
+            kw = {}
+            if a.engine_process:
+                import functools
+
+                from serving.fake_engine import FakeEngine
+                kw["engine_factory"] = functools.partial(FakeEngine, **_fake_engine_kwargs(a))
             server = ServerThread(model, limits=Limits(max_concurrent_requests=n, max_queued_requests=n,
-                                                       max_tokens=ctx), metrics_port=None).start()
+                                                       max_tokens=ctx), metrics_port=None,
+                                  event_loop=a.event_loop, **kw).start()
             tgt = server.address
         else:
             tgt = a.target
         try:
+            steps0 = server.server.engine_loop.num_steps if server is not None else 0
+            child_pid = getattr(server.server.engine_loop, "pid", None) if server is not None else None
+            cpu0, kids0 = _cpu_by_thread(child_pid), resource.getrusage(resource.RUSAGE_CHILDREN)
             if a.client_process and server is not None:
                 res, dur = _client_process(a, tgt, job_list)
             else:
-                res, dur = asyncio.run(run_grpc(tgt, job_list, a))
+                from serving.server import new_event_loop
+                res, dur = asyncio.run(run_grpc(tgt, job_list, a), loop_factory=lambda: new_event_loop(a.event_loop))
+            cpu1, kids1 = _cpu_by_thread(child_pid), resource.getrusage(resource.RUSAGE_CHILDREN)
+            a._steps = server.server.engine_loop.num_steps - steps0 if server is not None else 0
+            a._server_ms = _server_means_ms(server.server.metrics) if server is not None else {}
+            a._cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
+            if a.client_process:
+                a._cpu["client process"] = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
         finally:
             if server is not None:
                 server.stop()   # hands the engine back to this thread
@@ -424,7 +554,8 @@ def main(argv=None) -> dict:
             import dataclasses
             with open(a.results_file, "w") as f:
                 json.dump({"results": [dataclasses.asdict(r) for r in res], "duration_s": dur}, f)
-        return res, dur, f"gRPC {tgt}" + (" (client in another process)" if a.client_process and a.spawn else "")
+        return res, dur, f"gRPC {tgt}" + (" (client in another process)" if a.client_process and a.spawn else "") \
+            + (" (engine in a child process)" if a.engine_process else "")
 
     # warm up every path first (compiles shape buckets), then measure: no pass pays for another's compiles
     t0 = time.perf_counter()

@@ -8,9 +8,18 @@ page comes back" is checked against the real allocator.
 
 Interface (same as the engine's): add_request / abort / step / has_unfinished / stats, plus
 ``FakeTokenizer`` (bytes as tokens) and ``FakeSamplingParams`` (the fields of ``tbjax.sampling.SamplingParams``).
+
+As a stand-in for a GPU engine in front-end benchmarks (``benchmarks/load_test.py --spawn fake``):
+``step_time_s`` is the device's share of a step, spent in ``time.sleep`` (the GIL is free, as while a real
+engine waits for the device). By default it is added to the step's host work (schedule, sample, detokenize:
+the engine as it is today); with ``overlap=True`` the host work runs inside it (a step lasts
+max(step_time_s, host work)), as in an engine that prepares step N+1 while the device runs step N. Text is
+detokenized incrementally (only the new bytes each step), like the real engine's detokenizer, so the host
+cost per step does not grow with output length.
 """
 from __future__ import annotations
 
+import codecs
 import time
 from dataclasses import dataclass, field
 
@@ -107,14 +116,19 @@ class FakeEngine:
     """Engine test double (see module docstring). ``step_time_s`` sleeps per step to mimic a device."""
 
     def __init__(self, *, num_pages: int = 512, page_size: int = 4, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int = 512, step_time_s: float = 0.0):
+                 max_num_batched_tokens: int = 512, max_model_len: int = 512, step_time_s: float = 0.0,
+                 overlap: bool = False):
+        if not isinstance(step_time_s, (int, float)) or not step_time_s >= 0:
+            raise ValueError(f"step_time_s must be a number >= 0, got {step_time_s!r}")
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len))
         self.max_model_len = max_model_len
         self.step_time_s = step_time_s
+        self.overlap = bool(overlap)
         self.tokenizer = FakeTokenizer()
-        self._req: dict[str, tuple[FakeSamplingParams, list[int], str]] = {}  # id -> params, out ids, text sent
+        # id -> [params, incremental UTF-8 decoder, text so far (with a stop string cut), length of text sent]
+        self._req: dict[str, list] = {}
         self.num_added = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: FakeSamplingParams) -> None:
@@ -125,7 +139,7 @@ class FakeEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params.max_tokens,
                        stop_token_ids=params.stop_token_ids, eos_token_ids=(EOS,), ignore_eos=params.ignore_eos)
         self.scheduler.add(seq)  # RequestTooLarge (a ValueError) when it can never fit
-        self._req[request_id] = (params, [], "")
+        self._req[request_id] = [params, codecs.getincrementaldecoder("utf-8")(errors="replace"), "", 0]
         self.num_added += 1
 
     def abort(self, request_id: str) -> None:
@@ -136,10 +150,11 @@ class FakeEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[FakeRequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if self.step_time_s:
+        if self.step_time_s and not self.overlap:
             time.sleep(self.step_time_s)
         sampled = {}
         for e in batch.entries:
@@ -148,27 +163,31 @@ class FakeEngine:
                 sampled[e.seq_id] = next_token(e.seq.token_ids[-1], len(e.seq.token_ids), p.seed or 0)
         outs = []
         for so in self.scheduler.on_step_done(batch, sampled):
-            p, out_ids, sent = self._req[so.seq_id]
-            out_ids.extend(so.new_token_ids)
-            text = self.tokenizer.decode(out_ids)
+            st = self._req[so.seq_id]
+            p, dec, text, n_sent = st
             reason = so.finish_reason.value if so.finished else None
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            # bytes of the new tokens (specials decode to nothing); an incomplete UTF-8 sequence at the end is
+            # held back by the decoder until the next step, or shown as U+FFFD when the request ends
+            text += dec.decode(bytes(i - _OFFSET for i in so.new_token_ids if i >= _OFFSET), reason is not None)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1) if p.stop else -1
             if cut >= 0:  # a stop string: cut it (and what follows) off and finish
                 text, reason = text[:cut], "stop"
                 if not so.finished:
                     self.scheduler.finish(so.seq_id, FinishReason.STOP)
-            elif reason is None and text.endswith("\ufffd"):
-                text = text[:-1]  # hold back an incomplete UTF-8 sequence
             lp = None
             if p.logprobs:
                 lp = [{t: -0.5, **{(t + k) % VOCAB: -1.0 - k for k in range(1, p.logprobs)}}
                       for t in so.new_token_ids]
             finished = reason is not None
-            outs.append(FakeRequestOutput(so.seq_id, list(so.new_token_ids), text[len(sent):], finished, reason, lp))
+            outs.append(FakeRequestOutput(so.seq_id, list(so.new_token_ids), text[n_sent:], finished, reason, lp))
             if finished:
                 del self._req[so.seq_id]
             else:
-                self._req[so.seq_id] = (p, out_ids, text)
+                st[2], st[3] = text, len(text)
+        if self.step_time_s and self.overlap:   # the device ran the step while the host did the above
+            left = self.step_time_s - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
         return outs
 
     def stats(self) -> dict:

@@ -77,8 +77,12 @@ class CheckedRequest:
 
 
 def token_ids_in_vocab(what: str, ids, vocab_size: int) -> list[int]:
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < vocab_size]
+    ids = list(ids)   # protobuf repeated int32 -> Python ints; the common all-valid case is checked by min/max in C
+    if ids and (not isinstance(ids[0], int) or min(ids) < 0 or max(ids) >= vocab_size):
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+    else:
+        bad = []
     if bad:
         raise _invalid(f"{what}: token ids out of vocabulary (size {vocab_size}): {bad[:8]}"
                        + (f" and {len(bad) - 8} more" if len(bad) > 8 else ""))

@@ -1,7 +1,8 @@
 """The gRPC front end: the tbjax.v1 servicer, health checking, reflection, and the server's life cycle.
 
 ``Server`` puts together a ``grpc.aio`` server on one asyncio loop, the ``EngineLoop`` thread that owns
-the engine, and the Prometheus endpoint. The servicer never touches the engine: it validates a request
+the engine (or, with ``engine_factory``, an ``EngineProcess``: the engine in a child process, off this
+process's GIL), and the Prometheus endpoint. The servicer never touches the engine: it validates a request
 (``limits``), hands it to the engine thread and streams what comes back. Whatever ends an RPC early (the
 client goes away, its deadline passes, the server drains) runs the handler's ``finally``, which aborts the
 request in the engine and so frees its KV pages.
@@ -26,7 +27,7 @@ from .limits import Limits, RequestError, build_params, check_generate, check_to
 from .metrics import ServerMetrics
 from .model import ServedModel
 
-__all__ = ["TbjaxServicer", "Server", "ServerThread"]
+__all__ = ["TbjaxServicer", "Server", "ServerThread", "new_event_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,12 @@ class TbjaxServicer:
         try:
             m = self.model
             try:
-                checked = await asyncio.to_thread(
-                    check_generate, request, model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
-                    max_context=m.max_context, limits=lim)
+                kw = dict(model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
+                          max_context=m.max_context, limits=lim)
+                if request.WhichOneof("input") == "prompt_token_ids" and len(request.prompt_token_ids.ids) <= 4096:
+                    checked = check_generate(request, **kw)   # ~0.15 ms for 1k ids: cheaper than a thread hop
+                else:   # tokenizing / chat templates can take milliseconds: off the loop
+                    checked = await asyncio.to_thread(check_generate, request, **kw)
                 params = build_params(m.make_params, checked.params, m.vocab_size)
             except RequestError as e:
                 outcome = "rejected"
@@ -239,15 +243,20 @@ class Server:
     """A tbjax gRPC server. Roles: ``colocated`` (one engine does prefill and decode; the default),
     ``prefill`` / ``decode`` (a worker of disaggregated serving: the public API plus the worker service
     ``tbjax.pd.v1.Worker``, and for decode the KV transfer service), ``router`` (the public API over workers:
-    ``prefill_workers`` / ``decode_workers`` addresses; no engine runs)."""
+    ``prefill_workers`` / ``decode_workers`` addresses; no engine runs). ``engine_factory`` (colocated only): a
+    picklable callable that builds the engine; it then runs in a child process (``engine_proc.EngineProcess``),
+    off this process's GIL, and ``model.engine`` is not used by the server."""
 
     def __init__(self, model: ServedModel, *, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
                  metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated",
                  prefill_workers: list[str] | None = None, decode_workers: list[str] | None = None,
                  kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0,
-                 kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto", kv_ipc_bytes: int = 256 << 20):
+                 kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto", kv_ipc_bytes: int = 256 << 20,
+                 engine_factory=None):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
+        if engine_factory is not None and role != "colocated":
+            raise ValueError(f"engine_factory (the engine in its own process) is for role 'colocated', not {role!r}")
         self.model = model
         self.host, self.port = host, port
         self.limits = limits or Limits()
@@ -255,9 +264,13 @@ class Server:
         self.role = role
         self.metrics = ServerMetrics(role)
         self.pd_service = None
+        self.engine_in_child = engine_factory is not None
         if role == "router":
             from .router import Router
             self.engine_loop = Router(prefill_workers or [], decode_workers or [], timeout_s=worker_timeout_s)
+        elif engine_factory is not None:
+            from .engine_proc import EngineProcess
+            self.engine_loop = EngineProcess(engine_factory, self.metrics)
         else:
             self.engine_loop = EngineLoop(model.engine, self.metrics)
             if role == "prefill":
@@ -303,7 +316,10 @@ class Server:
         port = server.add_insecure_port(f"{h}:{self.port}")
         if port == 0:
             raise OSError(f"cannot listen on {h}:{self.port}")
-        self.engine_loop.start()
+        if self.engine_in_child:   # EngineProcess: wait (off the loop) until its child has built the engine
+            await asyncio.to_thread(self.engine_loop.start)
+        else:
+            self.engine_loop.start()
         await server.start()
         self._server = server
         self.bound_port = port
@@ -340,12 +356,29 @@ class Server:
             await self._server.wait_for_termination()
 
 
-class ServerThread:
-    """Runs a ``Server`` on its own asyncio loop in a daemon thread. ``start()`` returns once it listens."""
+EVENT_LOOPS = ("asyncio", "uvloop")
 
-    def __init__(self, model: ServedModel, **server_kwargs):
+
+def new_event_loop(kind: str = "asyncio") -> asyncio.AbstractEventLoop:
+    """A new event loop: ``asyncio`` (the standard library's) or ``uvloop`` (libuv; must be installed)."""
+    if kind == "asyncio":
+        return asyncio.new_event_loop()
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError as e:
+            raise ValueError("event loop 'uvloop' needs the uvloop package (pip install uvloop)") from e
+        return uvloop.new_event_loop()
+    raise ValueError(f"event loop {kind!r} is not one of {EVENT_LOOPS}")
+
+
+class ServerThread:
+    """Runs a ``Server`` on its own event loop (``event_loop``: see ``new_event_loop``) in a daemon thread.
+    ``start()`` returns once it listens."""
+
+    def __init__(self, model: ServedModel, *, event_loop: str = "asyncio", **server_kwargs):
         self.server = Server(model, **server_kwargs)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop(event_loop)
         self._thread = threading.Thread(target=self._run, name="tbjax-grpc", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None

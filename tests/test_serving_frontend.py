@@ -3,7 +3,8 @@ and page allocator, a toy next-token hash whose output `reference` computes inde
 
 Covers: streaming equals the reference, concurrency does not change outputs, chat/tokenize/model info,
 logprobs, stop token ids, request ids, backpressure (RESOURCE_EXHAUSTED), cancellation and deadlines
-freeing KV pages, engine refusal and engine crash statuses, health, reflection, metrics, drain.
+freeing KV pages, engine refusal and engine crash statuses, health, reflection, metrics, drain; the same
+contract with the engine in a child process (serving.engine_proc); the uvloop event loop option.
 """
 import random
 import threading
@@ -345,3 +346,84 @@ def test_drain_timeout_cancels_and_frees():
     assert not st.server.engine_loop.alive
     assert model.engine.scheduler.num_aborted == 1
     assert kv_pages_all_free(model.engine)["all_free"]   # the engine thread is gone: safe to look directly
+
+
+def test_engine_in_a_child_process():
+    """``Server(engine_factory=...)``: the engine runs in a child process (serving.engine_proc). Same contract as
+    the engine thread: streams equal the reference (here with the step's host work overlapped), logprobs pass
+    through, refusals are INVALID_ARGUMENT, a cancelled request is aborted in the child and frees its pages, a
+    failing step is INTERNAL and the server keeps serving, stats and step metrics arrive, stop ends the child."""
+    import functools
+    import operator
+
+    factory = functools.partial(FakeEngine, num_pages=100, page_size=4, max_model_len=512, step_time_s=0.002,
+                                overlap=True)
+    with ServerThread(fake_served_model(), engine_factory=factory, metrics_port=None) as st, \
+            Client(st.address, timeout=30) as c:
+        loop = st.server.engine_loop
+        assert loop.engine is None and loop.alive
+        rng = random.Random(4)
+        jobs = [(_rand_prompt(rng), rng.randrange(1, 60)) for _ in range(8)]
+        results = [None] * len(jobs)
+
+        def run(i):
+            results[i] = c.generate(token_ids=jobs[i][0], max_tokens=jobs[i][1], temperature=0, logprobs=2)
+
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        for (ids, mt), got in zip(jobs, results):
+            want, reason = reference(ids, mt)
+            assert got.token_ids == want and got.finish_reason == reason
+            assert got.text == FakeEngine().tokenizer.decode(want)
+            assert [lp[0] for lp in got.logprobs] == want and all(lp[1] == -0.5 for lp in got.logprobs)
+        # refused by the engine in the child: fits the context (512) but never the 99 pages of 4 tokens
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(token_ids=[5] * 300, max_tokens=200)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pages" in e.value.details()
+        # cancellation aborts in the child and frees the pages
+        num_aborted = operator.attrgetter("scheduler.num_aborted")
+        aborted = loop.call(num_aborted).result(10)
+        stream = c.generate_stream(token_ids=[7] * 40, max_tokens=300, ignore_eos=True)
+        assert not next(stream).finish_reason
+        stream.close()
+        _wait_all_free(st)
+        assert loop.call(num_aborted).result(10) == aborted + 1
+        with pytest.raises(TypeError, match="must pickle"):   # call() needs a picklable fn: its caller hears
+            loop.call(lambda e: 1).result(10)
+        # a step that raises: INTERNAL for the request in flight, then the server serves again
+        loop.call(operator.methodcaller("__setattr__", "step_time_s", "broken")).result(10)
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("boom", max_tokens=5)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "engine step failed" in e.value.details()
+        loop.call(operator.methodcaller("__setattr__", "step_time_s", 0.002)).result(10)
+        assert c.generate(token_ids=[8, 9], max_tokens=6, temperature=0).token_ids == reference([8, 9], 6)[0]
+        _wait_all_free(st)
+        deadline = time.time() + 5
+        while loop.stats().get("kv_pages_used", -1) != 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert loop.stats()["kv_pages_total"] == 99 and loop.stats()["kv_pages_used"] == 0
+        assert loop.num_steps > 0 and st.server.metrics.step._sum.get() > 0
+    assert not loop.alive and loop._proc.exitcode == 0
+
+
+def test_event_loop_choice():
+    """``ServerThread(event_loop="uvloop")`` serves on uvloop's loop (measured faster under load in
+    benchmarks/RESULTS.md); an unknown loop, or uvloop when it is not installed, is a clear error."""
+    from serving.server import new_event_loop
+
+    with pytest.raises(ValueError, match="not one of"):
+        new_event_loop("trio")
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="needs the uvloop package"):
+            new_event_loop("uvloop")
+        return
+    with ServerThread(fake_served_model(step_time_s=0.001), metrics_port=None, event_loop="uvloop") as st, \
+            Client(st.address, timeout=30) as c:
+        assert type(st.loop).__module__.startswith("uvloop")
+        got = c.generate(token_ids=[5, 6], max_tokens=20, temperature=0)
+        assert got.token_ids == reference([5, 6], 20)[0] and got.finish_reason == "length"

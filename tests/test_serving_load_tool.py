@@ -44,7 +44,8 @@ def test_distributions_and_workload():
     assert lt.make_workload(3, lt.parse_dist("4"), lt.parse_dist("4"), 100, 48, float("inf"), 1)[2].arrival_s == 0
 
 
-@pytest.mark.parametrize("mode", ["grpc", "offline", "offline+grpc", "offline+grpc/client-process"])
+@pytest.mark.parametrize("mode", ["grpc", "offline", "offline+grpc", "offline+grpc/client-process",
+                                  "offline+grpc/engine-process"])
 def test_short_run_against_fake_engine(mode, tmp_path):
     out = tmp_path / "r.json"
     args = ["--spawn", "fake", "--num-requests", "40", "--concurrency", "8", "--prompt-len", "uniform:4:40",
@@ -54,13 +55,19 @@ def test_short_run_against_fake_engine(mode, tmp_path):
         # request could reach a slow client as one merged chunk and leave no inter-token gap to measure (seen in CI)
         args += ["--fake-step-time", "0.002"]
     rep = lt.main(args + {"grpc": [], "offline": ["--offline"], "offline+grpc": ["--compare-offline"],
-                          "offline+grpc/client-process": ["--compare-offline", "--client-process"]}[mode])
-    mode = mode.split("/")[0]      # the client process sends the same workload: the same summary checks hold
+                          "offline+grpc/client-process": ["--compare-offline", "--client-process"],
+                          # the H200 proxy's knobs: the engine in a child process, host work overlapped, pages of 16
+                          "offline+grpc/engine-process": ["--compare-offline", "--engine-process", "--fake-overlap",
+                                                          "--fake-page-size", "16", "--max-model-len", "256",
+                                                          "--max-num-batched-tokens", "128"]}[mode])
+    mode = mode.split("/")[0]      # the client/engine process runs the same workload: the same summary checks hold
     assert rep["mode"] == mode
     for key in mode.split("+"):
         _check_summary(rep[key])
     if mode == "offline+grpc":
         assert rep["grpc_over_offline_output_throughput"] > 0
+    for key in mode.split("+"):   # engine steps are counted in every pass: at most 8 in flight, 8 tokens a step
+        assert rep[key]["engine_steps"] > 0 and rep[key]["output_tokens"] / rep[key]["engine_steps"] <= 8
     assert out.exists()
 
 

@@ -223,7 +223,7 @@ def jax_worker(args) -> dict:
     tok = synthetic_tokenizer(spec.vocab_size)
     cfg = EngineConfig(page_size=G, num_pages=num_pages, kv_dtype=args.dtype, max_num_seqs=max_b,
                        max_num_batched_tokens=max_tokens, max_model_len=max_ctx, attn_impl=args.attn_impl,
-                       matmul_impl=args.matmul_impl, layer_buffers=args.layer_buffers)
+                       matmul_impl=args.matmul_impl, layer_buffers=args.layer_buffers, fold_norms=args.fold_norms)
     t0 = time.perf_counter()
     engine = Engine(spec, params, tok, cfg)
     runner = engine.runner
@@ -683,6 +683,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="override the config's layer count (0 = as configured)")
     ap.add_argument("--dump-hlo", default="", help="write the first shape's optimized decode-step HLO here")
     ap.add_argument("--layer-buffers", default="stacked", help="stacked | split | auto (EngineConfig.layer_buffers)")
+    ap.add_argument("--fold-norms", action="store_true",
+                    help="EngineConfig.fold_norms: RMSNorm weights folded into w_qkv / w_gate_up (2 kernels less/layer)")
     ap.add_argument("--precompile-workers", type=int, default=0,
                     help="compile every grid bucket up front with this many concurrent XLA compiles (0 = lazily)")
     ap.add_argument("--shapes", default="32:1024,64:8192,1:1024,8:1024,64:1024,1:8192,8:8192,32:8192",
@@ -725,7 +727,7 @@ def main(argv=None) -> int:
     res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": _git_commit(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup,
            "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "layer_buffers": args.layer_buffers}
+           "layer_buffers": args.layer_buffers, "fold_norms": args.fold_norms}
     outs = [args.out] if args.out else []
     if os.environ.get("OUT"):
         outs.append(os.path.join(os.environ["OUT"], "bench_engine_decode.json"))
@@ -754,7 +756,8 @@ def main(argv=None) -> int:
                   "--attn-impl", args.attn_impl, "--matmul-impl", args.matmul_impl,
                   "--compare-matmul", args.compare_matmul, "--profile", args.profile,
                   "--profile-steps", str(args.profile_steps), "--dump-hlo", args.dump_hlo,
-                  "--precompile-workers", str(args.precompile_workers), "--layer-buffers", args.layer_buffers]
+                  "--precompile-workers", str(args.precompile_workers), "--layer-buffers", args.layer_buffers] + \
+        (["--fold-norms"] if args.fold_norms else [])
     res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
     save()
     if run_hf:

@@ -55,7 +55,7 @@ def _engine(model, **kw):
 
 @pytest.mark.parametrize("kw", [dict(page_size=4), dict(page_size=16, max_num_batched_tokens=64, max_prefill_chunk=None),
                                 dict(page_size=8, enable_prefix_caching=False, layer_buffers="split"),
-                                dict(page_size=4, overlap_scheduling=False)])
+                                dict(page_size=4, overlap_scheduling=False), dict(page_size=4, fold_norms=True)])
 def test_batch_invariance(model, expected, kw):
     """All prompts together (continuous batching, chunked prefill, shared prefixes) = each prompt alone."""
     eng = _engine(model, **kw)
@@ -64,6 +64,8 @@ def test_batch_invariance(model, expected, kw):
         assert outs[i] == want, i
     if kw.get("enable_prefix_caching", True):
         assert eng.scheduler.stats()["prefix_hit_tokens"] > 0   # the shared 40-token prefix was reused
+    if kw.get("fold_norms"):                   # norm weights inside w_qkv / w_gate_up (the runner's one copy)
+        assert all("attn_norm_folded" in g and "attn_norm" not in g for g in eng.params["groups"].values())
     if kw.get("layer_buffers") == "split":     # the engine keeps one copy of the weights: the per-layer one
         groups = eng.params["groups"].values()
         assert eng.params is eng.runner.params and all(isinstance(v, list) for g in groups for v in g.values())

@@ -55,6 +55,7 @@ class EngineConfig:
     matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU at batch <= 4) | "xla" | "kernel"
     layer_buffers: str = "stacked"        # "stacked" | "split" (per-layer weight buffers: faster compiles) | "auto"
     overlap_scheduling: bool = True       # launch step N+1 before waiting for step N (see the module docstring)
+    fold_norms: bool = False              # RMSNorm weights folded into w_qkv / w_gate_up (fewer kernels; not yet timed)
 
 
 @dataclasses.dataclass
@@ -152,7 +153,8 @@ class Engine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
-                                  matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers)
+                                  matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
+                                  fold_norms=config.fold_norms)
         self.params = self.runner.params      # one copy: with layer_buffers="split" the stacked tree is dropped
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()

@@ -25,6 +25,7 @@ import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
 from tbjax.engine.mla_paged import latent_decode_attention, latent_mixed_attention, write_latent
+from tbjax.model.kinds import fold_norms as fold_layer_norms
 from tbjax.model.linear import kernel_impl_for
 from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
@@ -166,7 +167,9 @@ class ModelRunner:
 
     def __init__(self, spec: ModelSpec, params, caches, *, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
-                 matmul_impl: str = "auto", layer_buffers: str = "stacked"):
+                 matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False):
+        if fold_norms:       # RMSNorm weights folded into the next projection (tbjax/model/kinds.py): 2 fewer kernels
+            params = fold_layer_norms(spec, params)
         if layer_buffers not in LAYER_BUFFERS:
             raise ValueError(f"layer_buffers must be one of {LAYER_BUFFERS}, got {layer_buffers!r}")
         if layer_buffers == "auto":

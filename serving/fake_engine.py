@@ -12,8 +12,11 @@ Interface (same as the engine's): add_request / abort / step / has_unfinished / 
 As a stand-in for a GPU engine in front-end benchmarks (``benchmarks/load_test.py --spawn fake``):
 ``step_time_s`` is the device's share of a step, spent in ``time.sleep`` (the GIL is free, as while a real
 engine waits for the device). By default it is added to the step's host work (schedule, sample, detokenize:
-the engine as it is today); with ``overlap=True`` the host work runs inside it (a step lasts
-max(step_time_s, host work)), as in an engine that prepares step N+1 while the device runs step N. Text is
+the engine as it is today); with ``overlap=True`` the device runs steps back to back while the host works, as
+in an engine that prepares step N+1 while the device runs step N: a step ends ``step_time_s`` after the
+previous one ended, or when this step's host work is done if that is later, so all host work between two
+steps (this step's and the caller's own, e.g. the server handing outputs over) is hidden while it takes less
+than ``step_time_s``; after an idle gap the step takes ``step_time_s`` from its start. Text is
 detokenized incrementally (only the new bytes each step), like the real engine's detokenizer, so the host
 cost per step does not grow with output length.
 """
@@ -126,6 +129,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.step_time_s = step_time_s
         self.overlap = bool(overlap)
+        self._device_done = 0.0   # overlap: perf_counter time at which the device finished the previous step
         self.tokenizer = FakeTokenizer()
         # id -> [params, incremental UTF-8 decoder, text so far (with a stop string cut), length of text sent]
         self._req: dict[str, list] = {}
@@ -184,10 +188,15 @@ class FakeEngine:
                 del self._req[so.seq_id]
             else:
                 st[2], st[3] = text, len(text)
-        if self.step_time_s and self.overlap:   # the device ran the step while the host did the above
-            left = self.step_time_s - (time.perf_counter() - t0)
+        if self.step_time_s and self.overlap:   # the device ran this step while the host did the above
+            prev = self._device_done
+            start = prev if t0 - prev < self.step_time_s else t0   # back to back, or from here after a gap
+            left = start + self.step_time_s - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+            # the device's finish time (a late wake-up from sleep does not shift the next step's deadline); when
+            # the host took longer than the step, the device waited for it
+            self._device_done = start + self.step_time_s if left > 0 else time.perf_counter()
         return outs
 
     def stats(self) -> dict:

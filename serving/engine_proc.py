@@ -201,6 +201,7 @@ class EngineProcess:
         self._pending_adds = 0
         self._ready = threading.Event()
         self._stopped = threading.Event()
+        self._stop_requested = False
         self._stats: dict = {}
         self.num_steps = 0
         self.fatal: BaseException | None = None
@@ -281,6 +282,7 @@ class EngineProcess:
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop the child; requests still in flight get ``EngineStopped`` (aborted in the engine)."""
+        self._stop_requested = True
         if self._proc.is_alive():
             try:
                 self._send(("stop",))
@@ -318,10 +320,11 @@ class EngineProcess:
                 try:
                     msg = self._out_r.recv()
                 except (EOFError, OSError):
-                    if not self._stopped.is_set() and self.fatal is None and not self._ready.is_set():
-                        self.fatal = RuntimeError("the engine process exited before it was ready")
-                    elif not self._stopped.is_set() and self.fatal is None and self._proc.exitcode not in (0, None):
-                        self.fatal = RuntimeError(f"the engine process died (exit code {self._proc.exitcode})")
+                    if self.fatal is None and not self._stop_requested:   # the child went away on its own
+                        self._proc.join(2.0)
+                        what = "before it was ready" if not self._ready.is_set() else "unexpectedly"
+                        self.fatal = RuntimeError(f"the engine process exited {what} (exit code {self._proc.exitcode})")
+                        log.error("%s", self.fatal)
                     break
                 kind = msg[0]
                 if kind == "batch":

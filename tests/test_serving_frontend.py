@@ -409,6 +409,28 @@ def test_engine_in_a_child_process():
     assert not loop.alive and loop._proc.exitcode == 0
 
 
+def test_engine_process_that_dies():
+    """The engine's child process killed mid-request (e.g. a crash in the runtime): the request in flight ends
+    with INTERNAL naming the exit, later requests get UNAVAILABLE, and the server still stops cleanly."""
+    import functools
+    import os
+    import signal
+
+    factory = functools.partial(FakeEngine, step_time_s=0.005)
+    with ServerThread(fake_served_model(), engine_factory=factory, metrics_port=None) as st, \
+            Client(st.address, timeout=30) as c:
+        stream = c.generate_stream(token_ids=[3, 4], max_tokens=400, ignore_eos=True)
+        assert not next(stream).finish_reason
+        os.kill(st.server.engine_loop.pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "exited unexpectedly" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("x", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not st.server.engine_loop.alive
+
+
 def test_event_loop_choice():
     """``ServerThread(event_loop="uvloop")`` serves on uvloop's loop (measured faster under load in
     benchmarks/RESULTS.md); an unknown loop, or uvloop when it is not installed, is a clear error."""

@@ -331,9 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --spawn model/synthetic: every step padded to the full batch bucket (max-num-seqs), so "
                          "fewer shape buckets compile (both paths run the same programs)")
     ap.add_argument("--engine-process", action="store_true",
-                    help="with --spawn fake: the gRPC pass's server runs its engine in a child process "
-                         "(serving.engine_proc: off the server's GIL); an engine of the same configuration, so the "
-                         "offline pass (this process's engine) is the same workload on the same engine code")
+                    help="with --spawn: the gRPC passes' server runs its engine in a child process "
+                         "(serving.engine_proc: off the server's GIL), built there with the same configuration (the "
+                         "offline pass runs this process's engine: same workload, same engine code); one child for "
+                         "all gRPC passes, so its compiled programs carry over from the warm-up")
     ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"],
                     help="the event loop of the server (with --spawn) and of this tool's gRPC client")
     ap.add_argument("--client-process", action="store_true",
@@ -376,13 +377,12 @@ def _cpu_by_thread(child_pid: int | None = None) -> dict:
     return out
 
 
-def _server_means_ms(metrics) -> dict:
-    """Mean of the server's own latency histograms (ms), from its Prometheus metrics: where a request's time
+def _server_hists(metrics) -> dict:
+    """(sum, count) of the server's own latency histograms, from its Prometheus metrics: where a request's time
     goes inside the server (tokenize = arrival to validated, queue = to admitted by the engine, first_token =
     admitted to the first token handed to gRPC) vs what the client sees."""
-    out = {}
+    sums, counts = {}, {}
     for hist, prefix in ((metrics.ttft, "ttft"), (metrics.phase, ""), (metrics.itl, "itl")):
-        sums, counts = {}, {}
         for fam in hist.collect():
             for smp in fam.samples:
                 key = prefix or smp.labels.get("phase", "?")
@@ -390,7 +390,16 @@ def _server_means_ms(metrics) -> dict:
                     sums[key] = smp.value
                 elif smp.name.endswith("_count"):
                     counts[key] = smp.value
-        out.update({k: sums[k] / counts[k] * 1e3 for k in sums if counts.get(k)})
+    return {k: (sums[k], counts.get(k, 0.0)) for k in sums}
+
+
+def _means_ms(before: dict, after: dict) -> dict:
+    """Mean (ms) of what the histograms took in between two ``_server_hists`` snapshots."""
+    out = {}
+    for k, (s1, c1) in after.items():
+        s0, c0 = before.get(k, (0.0, 0.0))
+        if c1 > c0:
+            out[k] = (s1 - s0) / (c1 - c0) * 1e3
     return out
 
 
@@ -429,6 +438,35 @@ def _fake_engine_kwargs(a) -> dict:
     return dict(kw, step_time_s=a.fake_step_time, overlap=a.fake_overlap)
 
 
+def _jax_engine_in_child(spawn: str, model_path, synthetic_layers, kw: dict, pad_batch: bool):
+    """--engine-process with --spawn model/synthetic: runs in the child (module level, so it pickles)."""
+    if spawn == "synthetic":
+        from serving.synthetic import synthetic_served_model
+        eng = synthetic_served_model(synthetic_layers, **kw).engine
+    else:
+        import tbjax
+        eng = tbjax.LLM(model_path, progress=False, **kw).engine
+    runner = getattr(eng, "runner", None)
+    if pad_batch and runner is not None:
+        runner.min_seqs = runner.max_num_seqs
+    return eng
+
+
+def _num_compiled(engine):
+    """In the engine's process: programs its runner has compiled (None for the fake engine)."""
+    return getattr(getattr(engine, "runner", None), "num_compiled", None)
+
+
+def _engine_factory(a):
+    import functools
+    if a.spawn == "fake":
+        from serving.fake_engine import FakeEngine
+        return functools.partial(FakeEngine, **_fake_engine_kwargs(a))
+    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
+                            ("layer_buffers", a.layer_buffers)) if v is not None}
+    return functools.partial(_jax_engine_in_child, a.spawn, a.model, a.synthetic_layers, kw, a.pad_batch)
+
+
 def _spawn_model(a):
     from serving.model import ServedModel, model_name_for_path
     if a.spawn == "synthetic":
@@ -453,8 +491,10 @@ def main(argv=None) -> dict:
     fake_only = [f for f, v in (("--fake-overlap", a.fake_overlap), ("--fake-page-size", a.fake_page_size),
                                 ("--max-model-len", a.max_model_len), ("--fake-step-time", a.fake_step_time),
                                 ("--max-num-batched-tokens", a.max_num_batched_tokens)) if v]
-    if a.engine_process:
-        fake_only.append("--engine-process")
+    if a.engine_process and not a.spawn:
+        raise SystemExit("--engine-process needs --spawn")
+    if a.engine_process and a.spawn != "fake":   # two JAX processes share the device: no up-front grab
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if fake_only and a.spawn != "fake":
         raise SystemExit(f"{', '.join(fake_only)}: only with --spawn fake")
     model = None
@@ -482,9 +522,17 @@ def main(argv=None) -> dict:
     report = {"config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
               "git_commit": _git_commit(), "host": platform.node(), "python": platform.python_version()}
 
+    kept = {}   # --engine-process: the one server (and engine child) of every gRPC pass
+
     def compiled():
-        r = getattr(getattr(model, "engine", None), "runner", None)
-        return getattr(r, "num_compiled", None)
+        n = _num_compiled(getattr(model, "engine", None))
+        if n is not None and "server" in kept:   # the child's programs too
+            try:
+                c = kept["server"].server.engine_loop.call(_num_compiled).result(60)
+                n += c or 0
+            except Exception:  # noqa: BLE001 - the count is a diagnostic
+                pass
+        return n
 
     def record(mode, results, duration, label):
         runs[mode] = (results, duration, label)
@@ -515,20 +563,18 @@ def main(argv=None) -> dict:
                 json.dump(report, f, indent=2, default=str)
 
     def grpc_pass(job_list, label=None):
-        server = None
-        if a.spawn:
+        server = kept.get("server")
+        if a.spawn and server is None:
             from serving.limits import Limits
             from serving.server import ServerThread
             n = max(a.num_requests, a.warmup, 1)
-            kw = {}
-            if a.engine_process:
-                import functools
-
-                from serving.fake_engine import FakeEngine
-                kw["engine_factory"] = functools.partial(FakeEngine, **_fake_engine_kwargs(a))
+            kw = {"engine_factory": _engine_factory(a)} if a.engine_process else {}
             server = ServerThread(model, limits=Limits(max_concurrent_requests=n, max_queued_requests=n,
                                                        max_tokens=ctx), metrics_port=None,
                                   event_loop=a.event_loop, **kw).start()
+            if a.engine_process:
+                kept["server"] = server
+        if server is not None:
             tgt = server.address
         else:
             tgt = a.target
@@ -536,6 +582,7 @@ def main(argv=None) -> dict:
             steps0 = server.server.engine_loop.num_steps if server is not None else 0
             child_pid = getattr(server.server.engine_loop, "pid", None) if server is not None else None
             cpu0, kids0 = _cpu_by_thread(child_pid), resource.getrusage(resource.RUSAGE_CHILDREN)
+            hist0 = _server_hists(server.server.metrics) if server is not None else {}
             if a.client_process and server is not None:
                 res, dur = _client_process(a, tgt, job_list)
             else:
@@ -543,12 +590,12 @@ def main(argv=None) -> dict:
                 res, dur = asyncio.run(run_grpc(tgt, job_list, a), loop_factory=lambda: new_event_loop(a.event_loop))
             cpu1, kids1 = _cpu_by_thread(child_pid), resource.getrusage(resource.RUSAGE_CHILDREN)
             a._steps = server.server.engine_loop.num_steps - steps0 if server is not None else 0
-            a._server_ms = _server_means_ms(server.server.metrics) if server is not None else {}
+            a._server_ms = _means_ms(hist0, _server_hists(server.server.metrics)) if server is not None else {}
             a._cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
             if a.client_process:
                 a._cpu["client process"] = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
         finally:
-            if server is not None:
+            if server is not None and "server" not in kept:
                 server.stop()   # hands the engine back to this thread
         if a.results_file:
             import dataclasses
@@ -580,9 +627,13 @@ def main(argv=None) -> dict:
     if a.offline or a.compare_offline:
         record("offline", *clean(lambda: run_offline(model.engine, model.make_params, jobs, a), "offline"),
                "offline engine")
-    if not a.offline:
-        record("grpc", *clean(lambda: grpc_pass(jobs), "grpc"))
-    report["programs_compiled"] = compiled()
+    try:
+        if not a.offline:
+            record("grpc", *clean(lambda: grpc_pass(jobs), "grpc"))
+        report["programs_compiled"] = compiled()
+    finally:
+        if "server" in kept:
+            kept.pop("server").stop()
     report["mode"] = "+".join(runs)
     report["summary"] = report["grpc" if "grpc" in runs else "offline"]
     if len(runs) == 2:

@@ -179,7 +179,7 @@ class EngineProcess:
     engine = None   # lives in the child
 
     def __init__(self, engine_factory: Callable[[], Any], metrics=None, *, stats_interval_s: float = 0.25,
-                 start_timeout_s: float = 120.0, name: str = "tbjax-engine"):
+                 start_timeout_s: float = 600.0, name: str = "tbjax-engine"):
         if not callable(engine_factory):
             raise TypeError(f"engine_factory must be a picklable callable returning an engine, got {engine_factory!r}")
         self.metrics = metrics

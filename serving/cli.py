@@ -86,11 +86,57 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run one engine step at a time (default: launch step N+1 before waiting for step N)")
     eng.add_argument("--warmup", action="store_true", help="run one short request through the engine before "
                      "listening (compiles the common programs)")
+    eng.add_argument("--engine-process", action="store_true",
+                     help="colocated: run the engine in a child process, off the server's GIL (streams keep up with "
+                          "big batches; the child loads the weights, this process only the tokenizer)")
     eng.add_argument("--fake-engine", action="store_true",
                      help="serve serving.fake_engine (a test double, no model) - for testing the front end only")
     eng.add_argument("--fake-step-time", type=float, default=0.0, help="seconds per fake engine step")
     ap.add_argument("--log-level", default="WARNING")
     return ap
+
+
+def _engine_kw(a: argparse.Namespace) -> dict:
+    return {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
+                              ("num_pages", a.num_pages), ("page_size", a.page_size),
+                              ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
+                              ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling))
+            if v is not None}
+
+
+def _child_engine(path, engine_kw: dict, warmup: bool):
+    """Runs in the engine process (serving/engine_proc.py): load the model, build its engine, warm it up."""
+    import tbjax
+    llm = tbjax.LLM(path, progress=False, **engine_kw)
+    if warmup:
+        _warmup(ServedModel.from_llm(llm))
+    return llm.engine
+
+
+def engine_process_model(a: argparse.Namespace):
+    """--engine-process: (the ServedModel the server validates requests with, engine=None; the picklable factory
+    that builds the engine in the child). This process reads only the model's spec and tokenizer."""
+    import functools
+
+    from tbjax.sampling import SamplingParams
+    from tbjax.weights import load_model_info
+
+    if a.fake_engine:
+        from .fake_engine import FakeEngine, fake_served_model
+        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
+                                ("max_num_batched_tokens", a.max_num_batched_tokens),
+                                ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
+        model = fake_served_model(**kw)
+        model.engine = None
+        return model, functools.partial(FakeEngine, step_time_s=a.fake_step_time, **kw)
+    spec, tok = load_model_info(a.model)
+    kw = _engine_kw(a)
+    ctx = min(kw.get("max_model_len") or spec.max_position, spec.max_position)
+    model = ServedModel(name=a.served_model_name or model_name_for_path(a.model), arch=spec.arch, tokenizer=tok,
+                        vocab_size=spec.vocab_size, max_context=ctx,
+                        eos_token_ids=tuple(getattr(tok, "eos_token_ids", ()) or spec.eos_token_ids),
+                        make_params=SamplingParams, engine=None)
+    return model, functools.partial(_child_engine, a.model, kw, a.warmup)
 
 
 def load_served_model(a: argparse.Namespace) -> ServedModel:
@@ -102,11 +148,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
         return fake_served_model(step_time_s=a.fake_step_time, **kw)
     import tbjax
 
-    engine_kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens",
-                                   a.max_num_batched_tokens), ("num_pages", a.num_pages), ("page_size", a.page_size),
-                                   ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
-                                   ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling))
-                 if v is not None}
+    engine_kw = _engine_kw(a)
     if a.role == "router":   # the router only tokenizes and validates: its engine never runs
         engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
     if a.pp > 1:
@@ -206,7 +248,7 @@ async def _serve_split(a: argparse.Namespace, models) -> int:
             await w.stop(0)
 
 
-async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = None) -> int:
+async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = None, engine_factory=None) -> int:
     limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
                     default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
                     max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
@@ -215,7 +257,8 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                     prefill_workers=[w for w in a.prefill_workers.split(",") if w],
                     decode_workers=[w for w in a.decode_workers.split(",") if w],
                     kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
-                    kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier, kv_ipc_bytes=a.kv_ipc_mb << 20)
+                    kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier, kv_ipc_bytes=a.kv_ipc_mb << 20,
+                    engine_factory=engine_factory)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -270,7 +313,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"tbjax: bad limits: {e}", file=sys.stderr)
         return 2
+    if a.engine_process and (a.role != "colocated" or a.pp > 1):
+        ap.error(f"--engine-process is for the colocated role (got --role {a.role}"
+                 f"{', --pp ' + str(a.pp) if a.pp > 1 else ''})")
+    if a.engine_process and a.model == "synthetic":
+        ap.error("--engine-process serves a model file (or --fake-engine); the synthetic model is for benchmarks/"
+                 "load_test.py --engine-process")
     t0 = time.perf_counter()
+    if a.engine_process:
+        model, factory = engine_process_model(a)
+        print(f"tbjax: {model.name}: the engine starts in a child process", file=sys.stderr, flush=True)
+        try:
+            return asyncio.run(_serve(a, model, engine_factory=factory))
+        except OSError as e:
+            print(f"tbjax: cannot serve: {e}", file=sys.stderr)
+            return 1
     model = load_served_model(a)
     print(f"tbjax: loaded {(model[0] if isinstance(model, tuple) else model).name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if a.warmup and a.role not in ("router", "split"):

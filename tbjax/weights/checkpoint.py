@@ -49,6 +49,21 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SPEC_FILE)) and os.path.isdir(os.path.join(path, "params"))
 
 
+def _read_spec(path: str):
+    path = os.path.abspath(path)
+    if not is_checkpoint(path):
+        raise WeightLoadError(f"{path} is not a tbjax checkpoint (missing {SPEC_FILE} or params/)")
+    with open(os.path.join(path, SPEC_FILE)) as f:
+        d = json.load(f)
+    saved_dtype = d.pop("_params_dtype", None)
+    return spec_from_dict(d), saved_dtype
+
+
+def read_spec(path: str) -> ModelSpec:
+    """The ModelSpec of a checkpoint, without its weights."""
+    return _read_spec(path)[0]
+
+
 def restore(path: str, shardings=None, dtype=None):
     """Returns (spec, params). `shardings`: a pytree of jax.sharding.Sharding matching the params (or a single
     Sharding for every leaf); None => default device placement."""
@@ -57,12 +72,7 @@ def restore(path: str, shardings=None, dtype=None):
     from tbjax.model.params import param_shapes
 
     path = os.path.abspath(path)
-    if not is_checkpoint(path):
-        raise WeightLoadError(f"{path} is not a tbjax checkpoint (missing {SPEC_FILE} or params/)")
-    with open(os.path.join(path, SPEC_FILE)) as f:
-        d = json.load(f)
-    saved_dtype = d.pop("_params_dtype", None)
-    spec = spec_from_dict(d)
+    spec, saved_dtype = _read_spec(path)
     abstract = param_shapes(spec, dtype or saved_dtype)
     if shardings is not None:
         if isinstance(shardings, jax.sharding.Sharding):

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from test_spec import CONFIGS
 from tbjax.default_model import default_model_path
 from tbjax.model import forward_dense
-from tbjax.weights import WeightLoadError, checkpoint, convert, load_model
+from tbjax.weights import WeightLoadError, checkpoint, convert, load_model, load_model_info
 from tbjax.weights.safetensors_dir import HF_NAMES
 
 
@@ -77,6 +77,15 @@ def test_safetensors_dir_matches_transformers(tmp_path, smollm_f32, hf_ref):
     spec2, params2, tok2 = load_model(str(tmp_path), dtype="float32", progress=False)
     assert spec2.n_layers == 30 and spec2.tie_embeddings
     _assert_matches_hf(spec2, params2, hf_ref)
+    _assert_info_matches(str(tmp_path), spec2, tok2)
+
+
+def _assert_info_matches(path, spec, tok):
+    """load_model_info (no weights read) gives the loaded model's spec and an equivalent tokenizer."""
+    spec_i, tok_i = load_model_info(path)
+    assert spec_i.replace(dtype=spec.dtype) == spec
+    text = "Hello, world! 2 + 2 = 4"
+    assert tok_i.encode(text) == tok.encode(text) and tok_i.eos_token_ids == tok.eos_token_ids
 
 
 def test_config_contradicting_weights_is_refused(tmp_path, smollm_f32):
@@ -125,6 +134,8 @@ def test_orbax_roundtrip_onto_a_different_mesh(tmp_path, smollm_f32, hf_ref):
     shardings = jax.tree.map(sharding_for, params)
     spec2, params2, tok2 = load_model(dst, shardings=shardings)
     assert spec2 == spec
+    _assert_info_matches(dst, spec2, tok2)
+    _assert_info_matches(default_model_path(), spec, smollm_f32[2])
     w = params2["groups"]["gqa_dense"]["w_gate_up"]
     assert w.sharding == shardings["groups"]["gqa_dense"]["w_gate_up"]
     assert {s.data.shape for s in w.addressable_shards} == {(30, 576, 2, 1536 // 4)}

@@ -396,6 +396,7 @@ def jax_worker(args) -> dict:
             # one step at a time, then overlapped scheduling (the default: step N+1 launched before waiting for N)
             for mode, overlap in (("sync", False), ("overlap", True)):
                 engine.config = _dc.replace(engine.config, overlap_scheduling=overlap)
+                engine.overlap = overlap
                 for i in range(B):
                     ids = [int(x) for x in rng.integers(0, spec.vocab_size, e2e_prompt)]
                     engine.add_request(f"e2e-{mode}-{i}", ids, sp)

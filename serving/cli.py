@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--kv-dtype", default=None)
     eng.add_argument("--layer-buffers", default=None, choices=["stacked", "split", "auto"],
                      help="engine weight layout: split = per-layer buffers (XLA compiles a step several times faster)")
-    eng.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false", default=None,
-                     help="run one engine step at a time (default: launch step N+1 before waiting for step N)")
+    eng.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                     help="launch engine step N+1 before waiting for step N (default: on with an accelerator, off on "
+                          "CPU); --no-overlap-scheduling runs one step at a time")
     eng.add_argument("--warmup", action="store_true", help="run one short request through the engine before "
                      "listening (compiles the common programs)")
     eng.add_argument("--engine-process", action="store_true",

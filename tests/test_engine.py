@@ -53,9 +53,11 @@ def _engine(model, **kw):
     return Engine(spec, params, byte_tokenizer(), EngineConfig(**cfg))
 
 
-@pytest.mark.parametrize("kw", [dict(page_size=4), dict(page_size=16, max_num_batched_tokens=64, max_prefill_chunk=None),
+@pytest.mark.parametrize("kw", [dict(page_size=4, overlap_scheduling=True),
+                                dict(page_size=16, max_num_batched_tokens=64, max_prefill_chunk=None,
+                                     overlap_scheduling=True),
                                 dict(page_size=8, enable_prefix_caching=False, layer_buffers="split"),
-                                dict(page_size=4, overlap_scheduling=False), dict(page_size=4, fold_norms=True)])
+                                dict(page_size=4), dict(page_size=4, fold_norms=True)])
 def test_batch_invariance(model, expected, kw):
     """All prompts together (continuous batching, chunked prefill, shared prefixes) = each prompt alone."""
     eng = _engine(model, **kw)
@@ -112,8 +114,10 @@ def test_overlap_launches_ahead_and_samples_like_sync(model):
     assert any(len(v) < N_OUT + i for i, v in runs[True].items())    # some request ended on a stop token / eos
 
 
-def test_preemption_still_gives_correct_output(model, expected):
-    eng = _engine(model, num_pages=22, page_size=4)   # 21 usable pages = 84 tokens for ~300 tokens of work
+@pytest.mark.parametrize("overlap", [None, True])
+def test_preemption_still_gives_correct_output(model, expected, overlap):
+    eng = _engine(model, num_pages=22, page_size=4,   # 21 usable pages = 84 tokens for ~300 tokens of work
+                  overlap_scheduling=overlap)
     outs, _ = run_all(eng, PROMPTS, SamplingParams.greedy(N_OUT, ignore_eos=True))
     assert eng.scheduler.stats()["num_preemptions"] > 0
     for i, want in enumerate(expected):
@@ -144,7 +148,7 @@ def test_requests_that_can_never_fit_are_refused(model):
 
 
 def test_abort_frees_pages_at_once_and_nothing_leaks(model, expected):
-    eng = _engine(model)
+    eng = _engine(model, overlap_scheduling=True)
     outs, done = run_all(eng, PROMPTS, SamplingParams.greedy(N_OUT, ignore_eos=True), abort_after=(3, 4))
     assert 4 not in done
     for i, want in enumerate(expected):

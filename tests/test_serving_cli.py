@@ -115,13 +115,14 @@ def test_serve_cli_pp_beyond_the_devices_or_layers_is_a_clear_exit():
 
 
 def test_serve_cli_engine_flags_reach_the_engine_config():
-    """--no-overlap-scheduling ends up in the served engine's EngineConfig (whose default is overlap on)."""
+    """--no-overlap-scheduling ends up in the served engine's EngineConfig (default: the engine decides)."""
     from serving.cli import build_parser, load_served_model
     from tbjax.engine import EngineConfig
-    assert EngineConfig().overlap_scheduling and build_parser().parse_args([]).overlap_scheduling is None
+    assert EngineConfig().overlap_scheduling is None and build_parser().parse_args([]).overlap_scheduling is None
+    assert build_parser().parse_args(["--overlap-scheduling"]).overlap_scheduling is True
     m = load_served_model(build_parser().parse_args(["--model", "synthetic", "--num-pages", "8", "--max-num-seqs", "2",
                                                      "--max-num-batched-tokens", "16", "--no-overlap-scheduling"]))
-    assert m.engine.config.overlap_scheduling is False
+    assert m.engine.config.overlap_scheduling is False and m.engine.overlap is False
 
 
 def test_engine_process_model_reads_only_spec_and_tokenizer(smollm_f32):

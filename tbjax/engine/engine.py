@@ -3,7 +3,9 @@
 Everything above (the LLM API, the gRPC server) drives it through add_request / step / abort. It is not
 thread-safe: one thread owns an Engine.
 
-Overlapped scheduling (``EngineConfig.overlap_scheduling``, on by default): ``step()`` launches step N+1 on the
+Overlapped scheduling (``EngineConfig.overlap_scheduling``; by default on for accelerators, off on CPU, where the
+"device" is the host's own cores and XLA:CPU compiling while a step still runs is best avoided): ``step()`` launches
+step N+1 on the
 device before it waits for step N, so scheduling, input building and the next step's launch run while the device
 computes, and the device never waits for the host between steps. Step N+1 is scheduled as if step N had returned
 (tbjax/engine/scheduler.py): a token sampled by step N is fed to step N+1 on the device, without a host round trip.
@@ -54,7 +56,7 @@ class EngineConfig:
     attn_impl: str = "auto"
     matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU at batch <= 4) | "xla" | "kernel"
     layer_buffers: str = "stacked"        # "stacked" | "split" (per-layer weight buffers: faster compiles) | "auto"
-    overlap_scheduling: bool = True       # launch step N+1 before waiting for step N (see the module docstring)
+    overlap_scheduling: bool | None = None  # launch step N+1 before waiting for step N; None = on unless on CPU
     fold_norms: bool = False              # RMSNorm weights folded into w_qkv / w_gate_up (fewer kernels; not yet timed)
 
 
@@ -156,6 +158,8 @@ class Engine:
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
                                   fold_norms=config.fold_norms)
         self.params = self.runner.params      # one copy: with layer_buffers="split" the stacked tree is dropped
+        self.overlap = jax.default_backend() != "cpu" if config.overlap_scheduling is None \
+            else bool(config.overlap_scheduling)
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)
@@ -291,7 +295,7 @@ class Engine:
             if batch is None:
                 return pending
             launched = self._launch(batch, None)
-            if self.config.overlap_scheduling:
+            if self.overlap:
                 self._inflight = launched
                 return pending
             return pending + self._complete(launched)

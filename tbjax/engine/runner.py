@@ -190,6 +190,7 @@ class ModelRunner:
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
         self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
         self._no_prev = jnp.zeros(self.max_seqs, jnp.int32)        # prev_tokens_M of a step that takes none
+        self._wait_before_launch = jax.default_backend() == "cpu"
         self._fn = jax.jit(_step, static_argnames=("layout", "spec", "decode_only", "want_logprobs", "attn_impl",
                                                    "matmul_impl"),
                            donate_argnums=(1,))
@@ -299,6 +300,11 @@ class ModelRunner:
         Returns the step's outputs as device arrays; the KV pools are updated in place."""
         ints, floats, layout = inp.pack() if packed is None else packed
         prev_M = self._no_prev if prev is None else prev["tokens_M"]
+        if self._wait_before_launch:
+            # XLA:CPU: the previous step (whose output pools this one donates) is finished first. Three clean-clone
+            # test runs with steps launched onto pending donated pools segfaulted later inside XLA:CPU; the host
+            # work of overlapped scheduling still overlaps the previous step, only the launch waits.
+            jax.block_until_ready((self.caches, prev_M))
         exe = self._compiled.get(self._key(inp, want_logprobs, layout))
         if exe is not None:
             out, self.caches = exe(self.params, self.caches, ints, floats, prev_M)

@@ -6,6 +6,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+# CPU computations run inline, not asynchronously: a Pallas GPU-interpreter kernel dispatched eagerly otherwise keeps
+# running its host callbacks (jnp ops on XLA's CPU threads) while the test goes on, and on 2 cores that deadlocked
+# (test_decode_matmul, 2026-11-29: the main thread's next eager op waited on the interpreter's) and is the suspect
+# of three segfaults inside XLA:CPU in clean-clone runs the same day.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 # Only compiles of >= 1 s are written: those are what the cache saves (the engine/model programs, reused by the
 # servers the serving tests start), and the small ones include the Pallas interpreters' host-callback programs, whose

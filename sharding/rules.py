@@ -96,13 +96,15 @@ def _ax(axes: Iterable[str]):
 
 def decode_rules(expert_axes: Sequence[str], attn_axes: Sequence[str]) -> list[Rule]:
     """Rules for the decode-mesh parameter tree built by tbjax (see tbjax/model/mesh_forward.py):
-      attn/packed        uint8 [L, bytes]: split over attn_axes (replicated when attn_axes is empty)
-      ffn/<group>/we_*   routed experts [L, E, ...]: E split over expert_axes
-      everything else    replicated (embeddings, head, norms, routers, dense and shared-expert FFNs)
+      attn_packed           uint8 [L, bytes]: split over attn_axes (replicated when attn_axes is empty)
+      groups/<g>/we_*       routed experts [L, E, ...]: E split over expert_axes
+      groups/<g>/we_*/<l>   the same as per-layer buffers [E, ...]
+      everything else       replicated (embeddings, head, norms, routers, dense and shared-expert FFNs)
     """
     ea, aa = _ax(expert_axes), _ax(attn_axes)
     return [
-        (r"^attn/packed$", P(None, aa)),
-        (r"^ffn/[^/]+/we_(gate|up|down)$", P(None, ea)),
+        (r"^attn_packed$", P(None, aa)),
+        (r"^groups/[^/]+/we_(gate|up|down)$", P(None, ea)),
+        (r"^groups/[^/]+/we_(gate|up|down)/\d+$", P(ea)),
         (r".*", P()),
     ]

@@ -33,9 +33,8 @@ import numpy as np
 from pallas_kernels.paged_attention import write_kv
 from tbjax.engine.kv_cache import KVCacheConfig, init_kv_cache
 from tbjax.model import layers as ly
-from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
 from tbjax.model.params import group_shapes
-from tbjax.model.transformer import layer_plan, lm_logits
+from tbjax.model.transformer import layer_plan, lm_logits, run_layers
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 ROUTED_EXPERT_PARAMS = ("we_gate", "we_up", "we_down")
@@ -135,22 +134,20 @@ def _stage_step(stage_params, x_or_tokens, positions_T, start, kv_bufs, *, spec:
                 last: bool, last_row):
     """One chunk through one stage. Returns (hidden_TD or logits of `last_row`, updated K/V buffers)."""
     scale = rope_attention_scale(spec)
-    plan = layer_plan(spec)
     x = jnp.take(stage_params["embed"], x_or_tokens, axis=0) if first else x_or_tokens
     cos, sin = ly.rope_cos_sin(positions_T, spec.rope)
-    new_bufs = []
-    for li, p, (k_buf, v_buf) in zip(layers, stage_params["layers"], kv_bufs):
-        _, akind, fkind, _ = plan[li]
 
-        def attend(layer, q, k, v, cache):
-            kb = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), start, axis=0)
-            vb = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), start, axis=0)
-            o = chunk_attention(q, kb, vb, positions_T, scale=scale, window=spec.layer_window(layer))
-            return o, (kb, vb)
-        d, (k_buf, v_buf) = ATTENTION_APPLY[akind](spec, p, x, cos, sin, attend, li, (k_buf, v_buf))
-        x = x + d
-        x = x + FFN_APPLY[fkind](spec, p, x)
-        new_bufs.append((k_buf, v_buf))
+    def attend(layer, q, k, v, cache):
+        kb = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), start, axis=0)
+        vb = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), start, axis=0)
+        o = chunk_attention(q, kb, vb, positions_T, scale=scale, window=spec.layer_window(layer))
+        return o, (kb, vb)
+
+    caches = [None] * spec.n_layers
+    for li, buf in zip(layers, kv_bufs):
+        caches[li] = buf
+    x, caches = run_layers(stage_params, spec, x, cos, sin, attend, caches, layers=layers)
+    new_bufs = [caches[li] for li in layers]
     if last:
         h = ly.rms_norm(jax.lax.dynamic_slice_in_dim(x, last_row, 1, axis=0), stage_params["final_norm"],
                         spec.norm_eps)
@@ -176,8 +173,9 @@ class PipelinePrefill:
         self.stages, self.params, self._fns = [], [], []
         for s, (r, dev) in enumerate(zip(self.ranges, devices)):
             st = _Stage(s, tuple(r), dev, s == 0, s == len(devices) - 1)
-            tree = {"layers": [jax.tree.map(lambda a, j=plan[i][3]: a[j], params["groups"][plan[i][0]])
-                               for i in r]}
+            mine = {(plan[i][0], plan[i][3]) for i in r}       # this stage's (group, index in group)
+            tree = {"groups": {g: {k: [v[j] if (g, j) in mine else None for j in range(v.shape[0])]
+                                   for k, v in gp.items()} for g, gp in params["groups"].items()}}
             if st.first:
                 tree["embed"] = params["embed"]
             if st.last:

@@ -171,16 +171,18 @@ def test_expert_load_is_summed_over_batch_axes():
 
 # ---- partition rules ------------------------------------------------------------------------------------------
 def test_partition_rules_match_and_check():
-    tree = {"attn": {"packed": jax.ShapeDtypeStruct((3, 64), jnp.uint8)},
-            "ffn": {"g": {"we_gate": jax.ShapeDtypeStruct((3, 8, 4, 2), jnp.float32),
-                          "router": jax.ShapeDtypeStruct((3, 4, 8), jnp.float32)}}}
+    tree = {"attn_packed": jax.ShapeDtypeStruct((3, 64), jnp.uint8),
+            "groups": {"g": {"we_gate": jax.ShapeDtypeStruct((3, 8, 4, 2), jnp.float32),
+                             "router": jax.ShapeDtypeStruct((3, 4, 8), jnp.float32)},
+                       "h": {"we_up": [jax.ShapeDtypeStruct((8, 4, 2), jnp.float32)]}}}
     specs = sr.match_rules(tree, sr.decode_rules(("ep",), ("dp", "ep")))
-    assert specs["attn"]["packed"] == P(None, ("dp", "ep"))
-    assert specs["ffn"]["g"]["we_gate"] == P(None, "ep") and specs["ffn"]["g"]["router"] == P()
-    with pytest.raises(sr.RuleError, match="no partition rule matches parameter 'ffn/g/router'"):
-        sr.match_rules(tree, [(r"^attn/", P()), (r"we_", P())])
+    assert specs["attn_packed"] == P(None, ("dp", "ep"))
+    assert specs["groups"]["g"]["we_gate"] == P(None, "ep") and specs["groups"]["g"]["router"] == P()
+    assert specs["groups"]["h"]["we_up"][0] == P("ep")           # a per-layer expert buffer [E, ...]
+    with pytest.raises(sr.RuleError, match="no partition rule matches parameter 'groups/g/router'"):
+        sr.match_rules(tree, [(r"^attn_packed", P()), (r"we_", P())])
     mesh = make_mesh(dp=2, ep=3)
-    with pytest.raises(sr.RuleError, match="ffn/g/we_gate: dimension 1 of size 8 cannot be split over mesh axes ep=3"):
+    with pytest.raises(sr.RuleError, match="groups/g/we_gate: dimension 1 of size 8 cannot be split over mesh axes ep=3"):
         sr.shardings(tree, sr.decode_rules(("ep",), ()), mesh)
 
 
@@ -233,8 +235,11 @@ def test_mesh_forward_matches_transformers(ds, name):
     if "1x1" in _RESULTS:     # same routing everywhere; sharded and replicated attention give the same logits
         np.testing.assert_array_equal(stats["expert_load_LE"], _RESULTS["1x1"][1])
         np.testing.assert_allclose(logits, _RESULTS["1x1"][0], atol=5e-6, rtol=0)
+    if not plan.packed:       # replicated attention keeps the ordinary tree (no gather)
+        assert "attn_packed" not in mp and "w_o" in mp["groups"]["mla_moe"]
+        return
     # memory: each device holds 1/N of every layer's packed attention buffer (plus alignment padding)
-    arr = mp["attn"]["packed"]
+    arr = mp["attn_packed"]
     n = plan.attn_shards
     per_dev = {s.data.nbytes for s in arr.addressable_shards}
     assert per_dev == {spec.n_layers * plan.attn_pack.shard_bytes(n)}
@@ -262,7 +267,7 @@ def test_fp8_checkpoint_travels_in_fp8_exactly():
     assert enc["wq_b"] == enc["w_o"] == "fp8_block" and enc["wkv_a"] == enc["attn_norm"] == "raw"
     np.testing.assert_allclose(logits, batch[3], atol=2e-5, rtol=0)
     # the unpacked weights are bit-identical to the loader's dequantized ones
-    buf = np.concatenate([np.asarray(s.data)[1] for s in sorted(mp["attn"]["packed"].addressable_shards,
+    buf = np.concatenate([np.asarray(s.data)[1] for s in sorted(mp["attn_packed"].addressable_shards,
                                                                 key=lambda s: s.index[1].start)])
     got = pk.unpack(jnp.asarray(buf), plan.attn_pack)
     ref = params["groups"]["mla_moe"]

@@ -1,9 +1,13 @@
 """One entry point per operation that picks the implementation by platform, overridable, with fallback.
 
 impl: "auto" (Mosaic GPU on Hopper GPUs, Mosaic TPU on TPUs, the jnp reference elsewhere), "reference",
-"gpu", "tpu", "gpu_interpret", "tpu_interpret" (the kernels run by the Pallas interpreters on CPU, for tests).
+"blocked" (jnp whose cost follows the kv lengths, blocked.py), "gpu", "tpu", "gpu_interpret", "tpu_interpret" (the
+kernels run by the Pallas interpreters on CPU, for tests).
+
+`step_attention` is what the engine's step calls: one entry for decode-only and mixed batches with a block table
+as wide as the longest allowed sequence; "auto" there means the kernels on GPU / TPU and "blocked" elsewhere.
 A kernel that cannot handle a shape/dtype raises `Unsupported` while tracing; the dispatcher then logs a
-warning naming the reason and runs the reference instead. Bad input (wrong shapes/dtypes) is not a fallback
+warning naming the reason and runs the blocked jnp version instead. Bad input (wrong shapes/dtypes) is not a fallback
 case: it raises from the shared checks before any implementation is chosen.
 """
 from __future__ import annotations
@@ -13,10 +17,10 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from . import common, gpu, reference, tpu
+from . import blocked, common, gpu, reference, tpu
 
 log = logging.getLogger("pallas_kernels.paged_attention")
-IMPLS = ("auto", "reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
+IMPLS = ("auto", "reference", "blocked", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
 
 
 def _platform_impl() -> str:
@@ -56,6 +60,8 @@ def paged_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, 
   ref = lambda: reference.paged_decode_attention_reference(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, **kw)
   if which == "reference":
     return ref()
+  if which == "blocked":
+    return blocked.decode_attention_blocked(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, **kw)
   try:
     if which.startswith("gpu"):
       return gpu.paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
@@ -63,7 +69,8 @@ def paged_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, 
     return tpu.paged_decode_attention_tpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
                                           interpret=which.endswith("interpret"), **kw)
   except common.Unsupported as err:
-    return _fallback("decode", which, err, ref)
+    return _fallback("decode", which, err, lambda: blocked.decode_attention_blocked(
+        q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, **kw))
 
 
 def paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None, soft_cap=None,
@@ -82,6 +89,8 @@ def paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_
                                                     cu_q_lens_S1, **kw)
   if which == "reference":
     return ref()
+  if which == "blocked":
+    return blocked.ragged_attention_blocked(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, **kw)
   try:
     if which.startswith("gpu"):
       return gpu.paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
@@ -89,7 +98,8 @@ def paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_
     return tpu.paged_attention_tpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                    interpret=which.endswith("interpret"), **kw)
   except common.Unsupported as err:
-    return _fallback("ragged", which, err, ref)
+    return _fallback("ragged", which, err, lambda: blocked.ragged_attention_blocked(
+        q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, **kw))
 
 
 def _decode_from_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, impl, **kw):
@@ -103,3 +113,28 @@ def _decode_from_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   out_SNH = paged_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, lens, impl=impl, **kw)
   out = jnp.zeros_like(q_TNH)
   return out.at[jnp.where(has_q, row_S, T)].set(out_SNH, mode="drop")
+
+
+def step_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None, soft_cap=None,
+                   sliding_window=None, kv_scales_PK=None, impl="auto"):
+  """The engine step's attention: decode-only and mixed batches alike (ragged semantics, reference.py), the block
+  table as wide as the longest allowed sequence, padding sequences at kv_len 0. -> [T, N, H].
+
+  With kernels, the sequences that have one query row run in the decode kernel (split over the kv length) and the
+  others in the ragged kernel, each kernel seeing the other's sequences at kv_len 0 (no work); elsewhere the
+  blocked jnp loop, whose cost follows the live lengths."""
+  common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, kv_scales_PK,
+                      soft_cap=soft_cap, sliding_window=sliding_window)
+  which = "blocked" if impl == "auto" and _platform_impl() == "reference" else resolve_impl(impl)
+  kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_scales_PK=kv_scales_PK)
+  if which in ("reference", "blocked"):
+    return paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, impl=which, **kw)
+  T = q_TNH.shape[0]
+  q_lens = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
+  single = q_lens == 1
+  row_S = jnp.clip(cu_q_lens_S1[:-1], 0, T - 1)
+  dec = paged_decode_attention(q_TNH[row_S], kv_pages_PGKH, block_tables_SP, jnp.where(single, kv_lens_S, 0),
+                               impl=which, **kw)
+  rag = paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, jnp.where(single, 0, kv_lens_S), cu_q_lens_S1,
+                        impl=which, **kw)
+  return rag.at[jnp.where(single, row_S, T)].set(dec, mode="drop")

@@ -79,7 +79,7 @@ def dense_shapes(s: ModelSpec):
     return {"mlp_norm": (s.d_model,), "w_gate_up": (s.d_model, 2, s.ffn_dim), "w_down": (s.ffn_dim, s.d_model)}
 
 
-def dense_ffn(spec: ModelSpec, p, x_TD):
+def dense_ffn(spec: ModelSpec, p, x_TD, ep=None, stats=None):
     h, s_T1 = _norm_in(spec, p, "mlp_norm", x_TD)
     return swiglu(p, h, row_scale_T1=s_T1)
 

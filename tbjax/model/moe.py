@@ -107,6 +107,9 @@ def moe_ffn(spec: ModelSpec, p, x_TD, ep: EPContext | None = None):
     return y.astype(x_TD.dtype), stats
 
 
-def moe_apply(spec: ModelSpec, p, x_TD):
-    """FFN_APPLY entry (one device, all experts local)."""
-    return moe_ffn(spec, p, x_TD)[0]
+def moe_apply(spec: ModelSpec, p, x_TD, ep: EPContext | None = None, stats: list | None = None):
+    """FFN_APPLY entry: experts as `ep` spreads them (None: all local); appends the layer's stats to `stats`."""
+    y, st = moe_ffn(spec, p, x_TD, ep)
+    if stats is not None:
+        stats.append(st)
+    return y

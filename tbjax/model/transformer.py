@@ -7,13 +7,25 @@ Decode steps can send the projections to the weight-streaming kernel instead, wh
 place (`kernel_impl`, tbjax/model/linear.py).
 
 How tokens mix (attention over a paged cache, dense causal attention, ...) is passed in as `attend`, so the same
-forward serves the engine and whole-prompt forwards.
+forward serves the engine and whole-prompt forwards. `run_layers` is the one layer loop: the engine's step (on any
+mesh), pipeline-prefill stages (a range of layers) and the reference forwards all run it.
+
+On a decode mesh (`LoopContext`) the loop also
+  * reads each layer's attention weights from the packed per-layer byte buffers `params["attn_packed"]` [L, bytes]
+    (sharding/packed.py), each device holding 1/N of every layer and gathering (`ctx.fetch`) layer l+1's buffer
+    before layer l computes: the gather is issued one layer ahead, so XLA's latency-hiding scheduler can run it
+    during layer l; the layer's own buffer is dropped after its attention (two gathered layers live at a time);
+  * runs MoE layers with their routed experts split over the expert axes (`ctx.ep`, sharding/expert_parallel.py).
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import decode_matmul
+from sharding import packed as pk
 
 from tbjax.model import layers as ly
 from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
@@ -30,7 +42,49 @@ def layer_plan(spec: ModelSpec) -> list[tuple[str, str, str, int]]:
     return plan
 
 
-def forward_hidden(params, spec: ModelSpec, tokens_T, positions_T, attend, caches, kernel_impl: str | None = None):
+@dataclasses.dataclass(frozen=True)
+class LoopContext:
+    """How the layer loop runs on a mesh (inside `jax.shard_map`); the default is one device, nothing sharded.
+
+    attn_pack: the packed layout of one layer's attention weights when they live in params["attn_packed"];
+    fetch: shard [bytes/N] -> the layer's whole buffer (an all-gather or a ppermute ring, sharding/prefetch.py);
+    ep: how routed experts are spread (tbjax/model/moe.py EPContext); None = all local;
+    moe_stats: a list that receives each MoE layer's stats ({"load_E", "dropped"}) while tracing, or None."""
+    attn_pack: pk.PackedLayout | None = None
+    fetch: Callable | None = None
+    ep: object = None
+    moe_stats: list | None = dataclasses.field(default=None, compare=False, hash=False)
+
+
+def run_layers(params, spec: ModelSpec, x_TD, cos, sin, attend, caches, *, layers=None,
+               kernel_impl: str | None = None, ctx: LoopContext | None = None):
+    """The layer loop: layers `layers` (default all, in order) on activations x_TD. Returns (x_TD, caches), where
+    caches is a list over all layers (entries of layers not run are passed through)."""
+    ctx = ctx or LoopContext()
+    plan = layer_plan(spec)
+    idx = list(range(spec.n_layers) if layers is None else layers)
+    caches = list(caches)
+    packed = params.get("attn_packed") if ctx.attn_pack is not None else None
+    fetch = ctx.fetch or (lambda shard: shard)
+    nxt = fetch(packed[idx[0]]) if packed is not None and idx else None
+    for n, i in enumerate(idx):
+        g, akind, fkind, j = plan[i]
+        p = layer_params(params["groups"][g], j, kernel_impl)
+        pa = p
+        if packed is not None:
+            buf = nxt
+            if n + 1 < len(idx):           # issued before this layer computes: overlapped with it
+                nxt = fetch(packed[idx[n + 1]])
+            pa = pk.unpack(buf, ctx.attn_pack, x_TD.dtype)
+        d, caches[i] = ATTENTION_APPLY[akind](spec, pa, x_TD, cos, sin, attend, i, caches[i])
+        x_TD = x_TD + d
+        y = FFN_APPLY[fkind](spec, p, x_TD, ep=ctx.ep, stats=ctx.moe_stats)
+        x_TD = x_TD + y
+    return x_TD, caches
+
+
+def forward_hidden(params, spec: ModelSpec, tokens_T, positions_T, attend, caches, kernel_impl: str | None = None,
+                   ctx: LoopContext | None = None):
     """Embeds tokens, runs every layer, applies the final norm. Returns (hidden_TD, caches).
 
     kernel_impl: None => XLA dots; else the decode matmul kernel impl ("gpu", "reference", ...) that reads each
@@ -38,12 +92,7 @@ def forward_hidden(params, spec: ModelSpec, tokens_T, positions_T, attend, cache
     """
     x = jnp.take(params["embed"], tokens_T, axis=0)
     cos, sin = ly.rope_cos_sin(positions_T, spec.rope)
-    caches = list(caches)
-    for i, (g, akind, fkind, j) in enumerate(layer_plan(spec)):
-        p = layer_params(params["groups"][g], j, kernel_impl)
-        d, caches[i] = ATTENTION_APPLY[akind](spec, p, x, cos, sin, attend, i, caches[i])
-        x = x + d
-        x = x + FFN_APPLY[fkind](spec, p, x)
+    x, caches = run_layers(params, spec, x, cos, sin, attend, caches, kernel_impl=kernel_impl, ctx=ctx)
     return ly.rms_norm(x, params["final_norm"], spec.norm_eps), caches
 
 
@@ -56,7 +105,8 @@ def lm_logits(params, spec: ModelSpec, h_TD, kernel_impl: str | None = None):
     return jnp.dot(h_TD, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def forward_dense(params, spec: ModelSpec, tokens_T, positions_T=None, segment_ids_T=None):
+def forward_dense(params, spec: ModelSpec, tokens_T, positions_T=None, segment_ids_T=None,
+                  ctx: LoopContext | None = None):
     """Whole-sequence forward without a cache. Returns (logits_TV float32, [(k_TKH, v_TKH) per layer]).
 
     Several prompts may be packed into one row with distinct segment ids.
@@ -73,5 +123,5 @@ def forward_dense(params, spec: ModelSpec, tokens_T, positions_T=None, segment_i
                                       window=spec.layer_window(layer))
         return o, (k, v)
 
-    h, kv = forward_hidden(params, spec, tokens_T, positions_T, attend, [None] * spec.n_layers)
+    h, kv = forward_hidden(params, spec, tokens_T, positions_T, attend, [None] * spec.n_layers, ctx=ctx)
     return lm_logits(params, spec, h), kv

@@ -89,9 +89,9 @@ def test_overlap_launches_ahead_and_samples_like_sync(model):
             _e.append(("launch", prev is not None and bool((inp.src_T >= 0).any())))
             return _l(inp, *a, prev=prev, **kw)
 
-        def fetch(out, _f=fetch0, _e=events):
+        def fetch(out, *a, _f=fetch0, _e=events):
             _e.append(("fetch", None))
-            return _f(out)
+            return _f(out, *a)
         eng.runner.launch, eng.runner.fetch = launch, fetch
         outs = {i: [] for i in range(len(PROMPTS))}
         for i, p in enumerate(PROMPTS):
@@ -177,29 +177,36 @@ def test_steady_state_never_recompiles(model):
     assert eng.runner.num_compiled == n
 
 
-def test_precompiled_decode_buckets_serve_the_decode_steps(model, expected):
-    """runner.precompile compiles buckets ahead of use (in parallel); the engine's decode steps then run those
-    executables (never the jit path) and still equal the full-recompute reference."""
-    params = SamplingParams.greedy(N_OUT, ignore_eos=True)
-    probe = _engine(model)
-    seen = []
-    launch0 = probe.runner.launch
-    probe.runner.launch = lambda inp, *a, **kw: (seen.append(inp), launch0(inp, *a, **kw))[1]
-    run_all(probe, PROMPTS, params)
-    decode_inputs = [i for i in seen if i.decode_only]
-    assert len({probe.runner._key(i, False) for i in decode_inputs}) >= 2      # several buckets in play
+def test_warmup_compiles_every_program_and_then_nothing_compiles(model, expected):
+    """Engine.warmup compiles every step program (one per token bucket, decode and mixed alike, any sampling or
+    logprobs); a workload of random prompt lengths, batch sizes and sampling settings afterwards runs without a
+    single backend compile (counted by jax.monitoring) and still equals the full-recompute reference."""
+    import jax.monitoring
 
-    eng = _engine(model)
-    eng.runner.precompile(decode_inputs, workers=2)
-    jit_fn = eng.runner._fn
-
-    def no_decode_through_jit(*a, **kw):
-        assert not kw["decode_only"], "a decode step went through jit instead of its precompiled executable"
-        return jit_fn(*a, **kw)
-    eng.runner._fn = no_decode_through_jit
-    outs, _ = run_all(eng, PROMPTS, params)
+    eng = _engine(model, max_num_batched_tokens=64, num_pages=96)
+    info = eng.warmup()
+    assert eng.ready and info["programs"] == len(eng.runner.buckets) <= 12
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda ev, dur, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+    rng = np.random.default_rng(7)
+    greedy = SamplingParams.greedy(N_OUT, ignore_eos=True)
+    outs, _ = run_all(eng, PROMPTS, greedy)
     for i, want in enumerate(expected):
         assert outs[i] == want, i
+    for wave in range(3):
+        n = int(rng.integers(1, 9))
+        prompts = [list(rng.integers(0, 256, int(rng.integers(1, 120)))) for _ in range(n)]
+        kinds = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=6),
+                 SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=5, logprobs=3),
+                 SamplingParams(temperature=0.7, min_p=0.1, seed=3, max_tokens=4),
+                 SamplingParams.greedy(7, logprobs=2)]
+        for j, p in enumerate(prompts):
+            eng.add_request(("w", wave, j), [int(t) for t in p], kinds[j % len(kinds)])
+        while eng.has_unfinished():
+            eng.step()
+    assert compiles == [], f"{len(compiles)} backend compiles after warm-up"
+    assert eng.runner.num_compiled == info["programs"]
 
 
 def test_fp8_kv_close_to_bf16_and_holds_twice_the_tokens(model):

@@ -29,7 +29,7 @@ from typing import Hashable
 import jax
 
 from tbjax.engine.detokenize import IncrementalText
-from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, init_kv_cache, pages_for_budget
+from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, pages_for_budget
 from tbjax.engine.kv_pages import gather_pages, gather_pages_stacked, scatter_pages, scatter_pages_stacked
 from tbjax.engine.request import FinishReason, Sequence
 from tbjax.engine.runner import ModelRunner
@@ -58,6 +58,11 @@ class EngineConfig:
     layer_buffers: str = "stacked"        # "stacked" | "split" (per-layer weight buffers: faster compiles) | "auto"
     overlap_scheduling: bool | None = None  # launch step N+1 before waiting for step N; None = on unless on CPU
     fold_norms: bool = False              # RMSNorm weights folded into w_qkv / w_gate_up (fewer kernels; not yet timed)
+    # The decode mesh: None (one device), "dp=4,ep=2" (axis=size), a dict, or a jax.sharding.Mesh with the axes
+    # dp, ep, tp, pp (sharding.mesh.make_mesh). Requests, KV pools, attention-weight shards and routed experts are
+    # spread over all of its devices by default (`decode_layout`: sharding.mesh.DecodeLayout).
+    mesh: object = None
+    decode_layout: object = None
 
 
 @dataclasses.dataclass
@@ -115,7 +120,9 @@ class _InFlight:
     """A launched step: its batch, its device outputs, and where each sampling sequence's token is in them."""
     batch: object
     out: dict
-    rows: dict                            # seq id -> row of out["tokens"]
+    rows: dict                            # seq id -> row of out["tokens"] (over all ranks)
+    local_rows: dict                      # seq id -> row in its rank's outputs (what the next step's src_T names)
+    want_logprobs: bool = False
 
 
 @dataclasses.dataclass
@@ -136,7 +143,15 @@ class Engine:
         if config.kv_dtype == "auto":
             config = dataclasses.replace(config, kv_dtype=str(jax.tree.leaves(params)[0].dtype))
             self.config = config
-        pbytes = sum(a.nbytes for a in jax.tree.leaves(params))
+        self.max_model_len = max_len
+        max_pages_per_seq = -(-max_len // config.page_size)
+        self.runner = ModelRunner(spec, params, mesh=config.mesh, layout=config.decode_layout,
+                                  page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
+                                  matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
+                                  fold_norms=config.fold_norms)
+        pbytes = self.runner.param_bytes_per_device()
         if config.num_pages:
             num_pages = config.num_pages
         elif config.kv_cache_bytes:
@@ -144,19 +159,13 @@ class Engine:
         else:
             num_pages = auto_num_pages(spec, config.page_size, config.kv_dtype, pbytes)
         self.kv_config = KVCacheConfig(num_pages=num_pages, page_size=config.page_size, dtype=config.kv_dtype)
+        self.runner.init_caches(self.kv_config)
+        self.num_ranks = self.runner.num_ranks
         self.scheduler = Scheduler(SchedulerConfig(
-            num_pages=num_pages, page_size=config.page_size, dp=1, max_num_seqs=config.max_num_seqs,
+            num_pages=num_pages, page_size=config.page_size, dp=self.num_ranks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_prefill_chunk=config.max_prefill_chunk,
             max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
             preemption=config.preemption))
-        self.max_model_len = max_len
-        max_pages_per_seq = -(-max_len // config.page_size)
-        self.runner = ModelRunner(spec, params, init_kv_cache(spec, self.kv_config), page_size=config.page_size,
-                                  max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
-                                  matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
-                                  fold_norms=config.fold_norms)
         self.params = self.runner.params      # one copy: with layer_buffers="split" the stacked tree is dropped
         self.overlap = jax.default_backend() != "cpu" if config.overlap_scheduling is None \
             else bool(config.overlap_scheduling)
@@ -211,7 +220,7 @@ class Engine:
             raise KeyError(f"request {request_id!r} has no KV to export ({what}; only a finished prefill_only "
                            "request has)")
         n = len(seq.prompt_token_ids)
-        ids = seq.block_table[: -(-n // self.config.page_size)]
+        ids = self._global_pages(seq.dp_rank, seq.block_table[: -(-n // self.config.page_size)])
         try:
             if on_device:   # a new array: the pages can be freed (and rewritten) while it travels
                 dev_pages, dev_scales = gather_pages_stacked(self.runner.caches, ids)
@@ -243,7 +252,7 @@ class Engine:
         res = self.scheduler.reservation(request_id)
         if res is None:
             raise KVReservationError(f"no open KV reservation for {request_id!r}")
-        ids = res[1]
+        ids = self._global_pages(res[0], res[1])
         if not isinstance(layer_pages, (list, tuple)):      # stacked transfer layout
             n = int(num_pages if num_pages is not None else layer_pages.shape[0])
             if first_page < 0 or n < 1 or first_page + n > len(ids) or n > layer_pages.shape[0]:
@@ -258,6 +267,23 @@ class Engine:
                              f"{request_id!r}")
         self.runner.caches = scatter_pages(self.runner.caches, ids[first_page:first_page + n], layer_pages,
                                            layer_scales)
+
+    def _global_pages(self, rank: int, ids) -> list[int]:
+        """Rank-local page ids -> indices into the global pools [R * pages, ...]."""
+        return [rank * self.kv_config.num_pages + int(i) for i in ids]
+
+    def warmup(self, progress: bool = False) -> dict:
+        """Compile every step program this engine can run (all token buckets, in parallel); afterwards no request
+        of any shape compiles a step (one that does is logged as a warning). Returns programs and seconds."""
+        before = self.runner.num_compiled
+        secs = self.runner.precompile(progress=progress)
+        return {"programs": len(self.runner.buckets), "new_programs": self.runner.num_compiled - before,
+                "seconds": secs}
+
+    @property
+    def ready(self) -> bool:
+        """Every step program is compiled (``warmup`` ran)."""
+        return self.runner.ready
 
     def release_reservation(self, request_id: Hashable) -> bool:
         """Free a reservation whose transfer never completed; False if there is none."""
@@ -315,28 +341,31 @@ class Engine:
             st = self._reqs[e.seq_id]
             p = st.params
             if e.from_prev:       # its token is prev's sample for this sequence: read on the device
-                entries.append(([0], e.start, list(e.block_table)))
-                prev_rows.append(prev.rows[e.seq_id])
+                entries.append((e.dp_rank, [0], e.start, e.block_table))
+                prev_rows.append(prev.local_rows[e.seq_id])
             else:
-                entries.append((e.token_ids, e.start, list(e.block_table)))
+                entries.append((e.dp_rank, e.token_ids, e.start, e.block_table))
                 prev_rows.append(-1)
             sampling.append((p.temperature, p.top_k, p.top_p, p.min_p, st.seed))
             want_lp |= p.logprobs > 0 and e.samples
         use_prev = prev is not None and any(r >= 0 for r in prev_rows)
         inp = self.runner.build_inputs(entries, sampling, prev_rows if use_prev else None)
-        out = self.runner.launch(inp, want_logprobs=want_lp, prev=prev.out if use_prev else None)
-        return _InFlight(batch, out, {e.seq_id: i for i, e in enumerate(batch.entries) if e.samples})
+        out = self.runner.launch(inp, prev=prev.out if use_prev else None)
+        samples = [(i, e) for i, e in enumerate(batch.entries) if e.samples]
+        return _InFlight(batch, out, {e.seq_id: inp.rows[i] for i, e in samples},
+                         {e.seq_id: inp.local_rows[i] for i, e in samples}, want_lp)
 
     def _complete(self, fl: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step, record it in the scheduler and turn it into outputs."""
         batch = fl.batch
-        out = self.runner.fetch(fl.out)
+        out = self.runner.fetch(fl.out, fl.want_logprobs)
         self.num_steps += 1
-        sampled = {e.seq_id: int(out["tokens"][i]) for i, e in enumerate(batch.entries) if e.samples}
+        sampled = {sid: int(out["tokens"][i]) for sid, i in fl.rows.items()}
         lp_by_id = {}
         if "token_logprob" in out:
-            for i, e in enumerate(batch.entries):
+            for e in batch.entries:
                 st = self._reqs.get(e.seq_id)
+                i = fl.rows.get(e.seq_id)
                 if e.samples and st is not None and st.params.logprobs > 0:
                     n = st.params.logprobs
                     lp_by_id[e.seq_id] = (float(out["token_logprob"][i]),

@@ -1,55 +1,82 @@
-"""Jitted model steps over the paged KV cache, with a small fixed set of shape buckets.
+"""The engine's step: one ragged program over the decode mesh, compiled for a short fixed list of token buckets.
 
-One compiled program per (kind, tokens, sequences, pages-per-sequence) bucket:
-  decode  every sequence contributes one token (T == S): the decode attention fast path;
-  mixed   decodes + prefill chunks, ragged over `cu_q_lens`.
-Buckets are powers of two, so steady state never recompiles. Only the rows that sample are projected to
-logits, and sampling runs inside the same program: one small int32 array comes back per step.
-The KV pools are donated and updated in place. Decode steps send the projections to the weight-streaming matmul
-kernel on GPU when that is faster (batches of <= 4: `matmul_impl`, tbjax/model/linear.py); others use XLA dots.
-A step's host inputs travel as two packed arrays (int32 and float32, fields 256-byte aligned) and are unpacked in
-the program: per-array transfers cost more than the arrays (H200: host round trip 1.43 -> 0.54 ms at batch 32).
-Overlapped scheduling launches step N+1 before step N's tokens reach the host: a token the host does not know yet
-is taken, inside the program, from step N's sampled tokens (``src_T`` names the row; every step returns its tokens
-padded to one fixed length, ``tokens_M``, so this adds no shape buckets).
-`precompile` compiles chosen buckets ahead of use, several XLA compiles at once. MLA layers keep their latent once
-per token (tbjax/engine/mla_paged.py).
+A step is every scheduled sequence's tokens concatenated, per dp rank: per sequence a query start (`cu_q_lens`),
+a kv length and a row of the block table. Decode-only and mixed steps are the same program (the attention entry
+`step_attention` sends one-row sequences to the decode kernel and the rest to the ragged kernel, each seeing the
+other's sequences at kv length 0). Shapes depend only on the token bucket T (`token_buckets`): the sequence slots
+are S = min(T, max_num_seqs) and the block table is always `max_pages_per_seq` wide, so no batch composition,
+context length, sampling setting or logprobs request ever needs another program. Logprobs (the chosen token's and
+the top `TOP_LOGPROBS`) are always computed; the host fetches them only when a request asked.
+
+Mesh first: the program is one `jax.shard_map` over the decode mesh, a 1x1 mesh on one device. Requests are
+split over the layout's batch axes: every device is a dp rank with its own KV pools (the global pool arrays are
+[R * pages, ...], split over those axes) and its own page ids, and a step's inputs are stacked per rank. Attention
+weights are either replicated (the plain tree) or packed 1/N per device and gathered a layer ahead; routed experts
+are split over the expert axes (tbjax/model/mesh_forward.py plans and places; tbjax/model/transformer.py's
+`run_layers` is the layer loop).
+
+A step's host inputs travel as two packed arrays per rank (int32 and float32, fields 256-byte aligned) and are
+unpacked in the program: per-array transfers cost more than the arrays (H200: host round trip 1.43 -> 0.54 ms at
+batch 32). Overlapped scheduling launches step N+1 before step N's tokens reach the host: a token the host does not
+know yet is taken, inside the program, from step N's sampled tokens (``src_T`` names the row of the rank's previous
+output; every step returns its tokens padded to a fixed length, ``tokens_M``, so this adds no programs).
+
+`precompile` compiles every bucket ahead of use, several XLA compiles at once (`ready` afterwards: a step that
+still has to compile logs a warning naming its bucket).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
-from tbjax.engine.mla_paged import latent_decode_attention, latent_mixed_attention, write_latent
+from pallas_kernels.paged_attention import step_attention, write_kv
+from pallas_kernels.paged_attention.blocked import ragged_attention_blocked
+from sharding import rules as sr
+from sharding.mesh import DecodeLayout, MeshMismatch, axes_size
+from tbjax.engine.kv_cache import KVCacheConfig, cache_heads
+from tbjax.engine.mla_paged import latent_dims, write_latent
+from tbjax.model import mesh_forward as mf
 from tbjax.model.kinds import fold_norms as fold_layer_norms
-from tbjax.model.linear import kernel_impl_for
+from tbjax.model.linear import AUTO_KERNEL_MAX_T, MATMUL_IMPLS
 from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
 from tbjax.sampling import sample
 from tbjax.spec import ModelSpec, rope_attention_scale
+
+log = logging.getLogger(__name__)
 
 TOP_LOGPROBS = 20
 # How a layer group's weights are held: "stacked" [L, ...] arrays (sliced per layer inside the program) or "split"
 # into per-layer buffers (tbjax/model/params.py split_layer_buffers: identical per-layer fusions, compiled once);
 # "auto" = split on GPU.
 LAYER_BUFFERS = ("auto", "stacked", "split")
+# Token buckets: every power of two up to DENSE_UP_TO (decode batches), then every fourth power of two, and the
+# budget itself. Few programs (<= ~12 for budgets up to 16k) and little padding where decode lives.
+DENSE_UP_TO = 64
 
 
-def bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two >= max(n, lo), capped at hi (hi itself is allowed to be a non-power)."""
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi) if n <= hi else n
+def token_buckets(max_tokens: int, min_tokens: int = 1) -> tuple[int, ...]:
+    """The step's token buckets for a budget of `max_tokens` tokens per rank (sorted, the last one == max_tokens)."""
+    if max_tokens < 1 or min_tokens < 1:
+        raise ValueError(f"token budget and minimum bucket must be >= 1, got {max_tokens}, {min_tokens}")
+    out, b = [], min_tokens
+    while b < max_tokens:
+        out.append(b)
+        b *= 2 if b < DENSE_UP_TO else 4
+    out.append(max_tokens)
+    return tuple(out)
 
 
 @dataclasses.dataclass
 class StepInputs:
-    """Host-built arrays for one step (already padded to the bucket)."""
+    """Host-built arrays of one step, stacked per dp rank ([R, ...]) and padded to the bucket."""
     tokens_T: np.ndarray
     positions_T: np.ndarray
     slots_T: np.ndarray
@@ -63,21 +90,23 @@ class StepInputs:
     min_p_S: np.ndarray
     seed_S: np.ndarray
     sample_pos_S: np.ndarray
-    decode_only: bool
-    src_T: np.ndarray | None = None       # per token: row of the previous step's sampled tokens to feed, or -1
+    src_T: np.ndarray                     # per token: row of the rank's previous sampled tokens to feed, or -1
+    rows: list                            # per entry: its row in the step's outputs [R * S]
+    local_rows: list                      # per entry: its row in its rank's outputs (what src_T refers to)
 
-    def __post_init__(self):
-        if self.src_T is None:
-            self.src_T = np.full(self.tokens_T.shape, -1, np.int32)
+    @property
+    def num_tokens(self) -> int:
+        """The token bucket T of this step (per rank)."""
+        return self.tokens_T.shape[1]
 
     def pack(self) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """All int32 fields in one array, all float32 fields in another, and the (static) layout to unpack them:
-        two host->device transfers per step instead of thirteen."""
+        """All int32 fields in one array [R, n], all float32 fields in another [R, m], and the (static) layout to
+        unpack them: two host->device transfers per step instead of thirteen."""
         ints = [self.tokens_T, self.positions_T, self.slots_T, self.block_tables_SP, self.kv_lens_S,
                 self.cu_q_lens_S1, self.sample_rows_S, self.top_k_S, self.seed_S.view(np.int32), self.sample_pos_S,
                 self.src_T]
         floats = [self.temperature_S, self.top_p_S, self.min_p_S]
-        layout = tuple(a.shape for a in ints + floats)
+        layout = tuple(a.shape[1:] for a in ints + floats)
         return _concat_aligned(ints, np.int32), _concat_aligned(floats, np.float32), layout
 
 
@@ -97,11 +126,13 @@ def _padded(n: int) -> int:
 
 
 def _concat_aligned(arrays, dtype) -> np.ndarray:
-    out = np.zeros(sum(_padded(a.size) for a in arrays), dtype)
+    R = arrays[0].shape[0]
+    out = np.zeros((R, sum(_padded(int(np.prod(a.shape[1:]))) for a in arrays)), dtype)
     o = 0
     for a in arrays:
-        out[o:o + a.size] = np.asarray(a).ravel()
-        o += _padded(a.size)
+        n = int(np.prod(a.shape[1:]))
+        out[:, o:o + n] = np.asarray(a).reshape(R, n)
+        o += _padded(n)
     return out
 
 
@@ -118,205 +149,293 @@ def _unpack(ints, floats, layout) -> dict:
     return out
 
 
-def _step(params, caches, ints, floats, prev_tokens_M=None, *, layout, spec: ModelSpec, decode_only: bool,
-          want_logprobs: bool, attn_impl: str, matmul_impl: str = "auto"):
-    inp = _unpack(ints, floats, layout)
-    if prev_tokens_M is not None:   # tokens sampled by the previous step (overlapped scheduling) come from the device
-        src_T = inp["src_T"]
-        inp["tokens_T"] = jnp.where(src_T >= 0, jnp.take(prev_tokens_M, jnp.maximum(src_T, 0)), inp["tokens_T"])
+@dataclasses.dataclass(frozen=True)
+class _StepStatic:
+    """Everything static about a step program except its bucket."""
+    spec: ModelSpec
+    plan: mf.MeshPlan
+    attn_impl: str
+    kernel_impl: str | None               # decode matmul kernel for this bucket, or None (XLA dots)
+
+
+def _body(params, caches, ints, floats, prev_M, *, layout, st: _StepStatic):
+    """One rank's step (inside the shard_map): ints / floats [1, n], prev_M [M] this rank's previous tokens."""
+    spec = st.spec
+    inp = _unpack(ints[0], floats[0], layout)
+    src_T = inp["src_T"]
+    inp["tokens_T"] = jnp.where(src_T >= 0, jnp.take(prev_M, jnp.maximum(src_T, 0)), inp["tokens_T"])
     scale = rope_attention_scale(spec)
-    mm = kernel_impl_for(matmul_impl, decode_only, inp["tokens_T"].shape[0])
+    bt, kv_lens, cu = inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"]
 
     def attend(layer, q, k, v, cache):
         pages, scales = cache
         if spec.mla is not None:       # latent (absorbed) MLA: k == v == the latent, stored once (mla_paged.py)
             pages, scales = write_latent(pages, scales, k[:, 0, :], inp["slots_T"])
-            if decode_only:
-                o = latent_decode_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], scale=scale,
-                                            kv_scales_PK=scales)
-            else:
-                o = latent_mixed_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"],
-                                           scale=scale, kv_scales_PK=scales)
+            o = ragged_attention_blocked(q, pages, bt, kv_lens, cu, scale=scale, kv_scales_PK=scales,
+                                         kv_layout=("latent", latent_dims(spec)))
             return o, (pages, scales)
         pages, scales = write_kv(pages, scales, k, v, inp["slots_T"])
-        window = spec.layer_window(layer)
-        if decode_only:
-            o = paged_decode_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], scale=scale,
-                                       sliding_window=window, kv_scales_PK=scales, impl=attn_impl)
-        else:
-            o = paged_attention(q, pages, inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"], scale=scale,
-                                sliding_window=window, kv_scales_PK=scales, impl=attn_impl)
+        o = step_attention(q, pages, bt, kv_lens, cu, scale=scale, sliding_window=spec.layer_window(layer),
+                           kv_scales_PK=scales, impl=st.attn_impl)
         return o, (pages, scales)
     attend.mla_latent = spec.mla is not None     # MLA layers hand over their latent form (one kv head, k == v)
 
-    h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches, kernel_impl=mm)
-    logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=mm)
+    ctx = mf.loop_context(st.plan)
+    h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches,
+                                  kernel_impl=st.kernel_impl, ctx=ctx)
+    logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=st.kernel_impl)
     tok_S, logprobs_SV = sample(logits_SV, inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"],
                                 inp["seed_S"], inp["sample_pos_S"])
-    out = {"tokens": tok_S}
-    if prev_tokens_M is not None:
-        out["tokens_M"] = jnp.zeros_like(prev_tokens_M).at[:tok_S.shape[0]].set(tok_S)
-    if want_logprobs:
-        out["token_logprob"] = jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0]
-        out["top_logprobs"], out["top_ids"] = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
+    top_lp, top_ids = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
+    out = {"tokens": tok_S,
+           "tokens_M": jnp.zeros_like(prev_M).at[:tok_S.shape[0]].set(tok_S),
+           "token_logprob": jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0],
+           "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
     return out, caches
 
 
-class ModelRunner:
-    """Owns the KV pools of one dp rank and runs scheduled batches on them."""
+def resolve_mesh(mesh, devices=None):
+    """A `jax.sharding.Mesh` with the axes dp, ep, tp, pp from None (1x1 on the default device), an 'axis=size'
+    string ("dp=4,ep=2"), a dict, or a Mesh. Refused with MeshMismatch naming the axis and numbers."""
+    from sharding.mesh import AXES, make_mesh, parse_mesh_arg
+    if isinstance(mesh, jax.sharding.Mesh):
+        missing = [a for a in AXES if a not in mesh.shape]
+        if missing:
+            raise MeshMismatch(f"mesh axes {tuple(mesh.shape)} lack {missing}: use sharding.mesh.make_mesh (axes "
+                               f"{', '.join(AXES)}, size-1 axes included)")
+        return mesh
+    if devices is None:
+        dflt = jax.config.jax_default_device
+        devices = [dflt] if (mesh is None and dflt is not None) else jax.devices()
+    sizes = {} if mesh is None else (parse_mesh_arg(mesh) if isinstance(mesh, str) else dict(mesh))
+    return make_mesh(**sizes, devices=devices)
 
-    def __init__(self, spec: ModelSpec, params, caches, *, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
-                 matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False):
+
+class ModelRunner:
+    """Owns the parameters (placed on the mesh) and the KV pools of every dp rank, and runs scheduled steps."""
+
+    def __init__(self, spec: ModelSpec, params, *, mesh=None, layout: DecodeLayout | None = None, page_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
+                 matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False,
+                 fp8_scales=None):
+        self.mesh = resolve_mesh(mesh)
+        self.layout = layout or DecodeLayout()
+        self.plan = mf.make_plan(spec, self.mesh, self.layout, fp8_scales=fp8_scales)
+        self.num_ranks = axes_size(dict(self.mesh.shape), self.layout.batch_axes)
         if fold_norms:       # RMSNorm weights folded into the next projection (tbjax/model/kinds.py): 2 fewer kernels
+            if self.plan.packed:
+                raise MeshMismatch("fold_norms with DP-sharded attention weights is not supported: the packed "
+                                   "attention layout holds the norm weights (use attn_axes=() or fold_norms=False)")
             params = fold_layer_norms(spec, params)
         if layer_buffers not in LAYER_BUFFERS:
             raise ValueError(f"layer_buffers must be one of {LAYER_BUFFERS}, got {layer_buffers!r}")
+        if matmul_impl not in MATMUL_IMPLS:
+            raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
         if layer_buffers == "auto":
             layer_buffers = "split" if jax.default_backend() == "gpu" else "stacked"
         if layer_buffers == "split":
             params = split_layer_buffers(params)
         self.layer_buffers = layer_buffers
-        self.spec, self.params, self.caches = spec, params, caches
+        self.spec = spec
+        self.params = mf.mesh_params(params, self.plan, self.mesh, fp8_scales)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.max_pages = max_pages_per_seq
         self.attn_impl = attn_impl
-        kernel_impl_for(matmul_impl, True)     # validates the name
         self.matmul_impl = matmul_impl
         # XLA:CPU's bf16 single-row dot against a transposed matrix (the tied lm_head) is ~14x slower than two
-        # rows (measured: 174 ms vs 12 ms for SmolLM2), so CPU batches hold at least two sequences.
+        # rows (measured: 174 ms vs 12 ms for SmolLM2), so CPU buckets hold at least two tokens and sequences.
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
+        self.buckets = token_buckets(max(max_num_batched_tokens, self.min_seqs), self.min_seqs)
         self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
-        self._no_prev = jnp.zeros(self.max_seqs, jnp.int32)        # prev_tokens_M of a step that takes none
+        self._bax = tuple(self.layout.batch_axes) or None
+        self._rank_sharding = NamedSharding(self.mesh, P(self._bax))
+        self._no_prev = jax.device_put(np.zeros(self.num_ranks * self.max_seqs, np.int32), self._rank_sharding)
         self._wait_before_launch = jax.default_backend() == "cpu"
-        self._fn = jax.jit(_step, static_argnames=("layout", "spec", "decode_only", "want_logprobs", "attn_impl",
-                                                   "matmul_impl"),
-                           donate_argnums=(1,))
-        self._compiled: dict = {}          # bucket key -> executable compiled ahead of use (precompile)
+        self.caches = None
+        self._fns: dict = {}               # bucket -> jitted step
+        self._compiled: dict = {}          # bucket -> executable compiled ahead of use (precompile)
+        self.ready = False                 # set after precompile(): a later compile is logged as a warning
+
+    # ---- KV pools -------------------------------------------------------------------------------------------
+    def init_caches(self, kv: KVCacheConfig) -> None:
+        """Zero-filled pools for every dp rank: per layer pages [R * num_pages, G, 2K, H] (and fp8 scales
+        [R * num_pages, 2K]), split over the batch axes: each rank's pages are its own."""
+        K, H = cache_heads(self.spec)
+        R = self.num_ranks
+        sh = self._rank_sharding
+        pshape = (R * kv.num_pages, kv.page_size, 2 * K, H)
+        make_pages = jax.jit(lambda: jnp.zeros(pshape, kv.jnp_dtype), out_shardings=sh)
+        make_scales = jax.jit(lambda: jnp.zeros((R * kv.num_pages, 2 * K), jnp.float32), out_shardings=sh)
+        self.caches = [(make_pages(), make_scales() if kv.is_fp8 else None) for _ in range(self.spec.n_layers)]
+        self.pages_per_rank = kv.num_pages
+
+    def param_bytes_per_device(self) -> int:
+        dev = self.mesh.devices.flat[0]
+        return sum(s.data.nbytes for a in jax.tree.leaves(self.params) for s in a.addressable_shards
+                   if s.device == dev)
+
+    # ---- programs -------------------------------------------------------------------------------------------
+    def _bucket_for(self, n_tokens: int) -> int:
+        for b in self.buckets:
+            if n_tokens <= b:
+                return b
+        raise ValueError(f"{n_tokens} tokens on one rank exceed the step budget {self.buckets[-1]}")
+
+    def seqs_for(self, bucket: int) -> int:
+        return max(min(bucket, self.max_num_seqs), self.min_seqs)
+
+    def _kernel_impl(self, bucket: int) -> str | None:
+        if self.matmul_impl == "kernel":
+            return "gpu"
+        if self.matmul_impl == "auto" and jax.default_backend() == "gpu" and bucket <= AUTO_KERNEL_MAX_T:
+            return "gpu"
+        return None
+
+    def _fn(self, bucket: int):
+        fn = self._fns.get(bucket)
+        if fn is not None:
+            return fn
+        st = _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket))
+        layout = self._layout(bucket)
+        pspecs = sr.match_rules(self.params, mf.mesh_rules(self.plan))
+        cspec = jax.tree.map(lambda _: P(self._bax), self.caches)
+        rank = P(self._bax)
+
+        def body(params, caches, ints, floats, prev_M):
+            return _body(params, caches, ints, floats, prev_M, layout=layout, st=st)
+        outs = {k: rank for k in ("tokens", "tokens_M", "token_logprob", "top_logprobs", "top_ids")}
+        smap = jax.shard_map(body, mesh=self.mesh, in_specs=(pspecs, cspec, rank, rank, rank),
+                             out_specs=(outs, cspec), check_vma=False)
+        fn = jax.jit(smap, donate_argnums=(1,), compiler_options=mf.xla_options(self.layout) or None)
+        self._fns[bucket] = fn
+        return fn
+
+    def _layout(self, bucket: int) -> tuple:
+        return self._empty_inputs(bucket).pack()[2]
 
     @property
     def num_compiled(self) -> int:
-        return self._fn._cache_size() + len(self._compiled)
+        return sum(f._cache_size() for f in self._fns.values()) + len(self._compiled)
+
+    # ---- inputs ---------------------------------------------------------------------------------------------
+    def _empty_inputs(self, T: int) -> StepInputs:
+        R, S, Pm = self.num_ranks, self.seqs_for(T), self.max_pages
+        z = lambda *shape: np.zeros((R, *shape), np.int32)   # noqa: E731
+        return StepInputs(z(T), z(T), np.full((R, T), -1, np.int32), z(S, Pm), z(S), z(S + 1), z(S),
+                          np.zeros((R, S), np.float32), z(S), np.ones((R, S), np.float32),
+                          np.zeros((R, S), np.float32), np.zeros((R, S), np.uint32), z(S),
+                          np.full((R, T), -1, np.int32), [], [])
 
     def build_inputs(self, entries, sampling, prev_rows=None) -> StepInputs:
-        """entries: list of (token_ids, start, block_table); sampling: list of (temp, top_k, top_p, min_p, seed).
-        prev_rows (overlapped scheduling): per entry, -1, or the row of the previous step's sampled tokens that is
-        this entry's one token (its token_ids value is then ignored)."""
+        """entries: list of (token_ids, start, block_table) or (rank, token_ids, start, block_table); sampling: list
+        of (temp, top_k, top_p, min_p, seed). prev_rows (overlapped scheduling): per entry, -1, or the entry's row in
+        its rank's previous step outputs (`local_rows` of that step) whose token is this entry's one token (its
+        token_ids value is then ignored)."""
         G = self.page_size
-        S = len(entries)
-        n_tok = sum(len(t) for t, _, _ in entries)
-        decode_only = all(len(t) == 1 for t, _, _ in entries)
-        Sb = bucket(S, self.min_seqs, self.max_seqs)
-        Tb = Sb if decode_only else bucket(n_tok, 16, max(self.max_tokens, 16))
-        Pb = bucket(max(len(bt) for _, _, bt in entries), 1, self.max_pages)
-        tokens = np.zeros(Tb, np.int32)
-        positions = np.zeros(Tb, np.int32)
-        slots = np.full(Tb, -1, np.int32)
-        bts = np.zeros((Sb, Pb), np.int32)
-        kv_lens = np.zeros(Sb, np.int32)
-        cu = np.zeros(Sb + 1, np.int32)
-        rows = np.zeros(Sb, np.int32)
-        temp = np.zeros(Sb, np.float32)
-        top_k = np.zeros(Sb, np.int32)
-        top_p = np.ones(Sb, np.float32)
-        min_p = np.zeros(Sb, np.float32)
-        seed = np.zeros(Sb, np.uint32)
-        spos = np.zeros(Sb, np.int32)
-        src = np.full(Tb, -1, np.int32)
-        if S:
-            cols = list(zip(*sampling))
-            temp[:S], top_k[:S], top_p[:S], min_p[:S], seed[:S] = cols
-        if decode_only:                 # the common step, vectorized (one token per sequence)
-            start = np.fromiter((st for _, st, _ in entries), np.int32, S)
-            tokens[:S] = [ids[0] for ids, _, _ in entries]
-            positions[:S] = start
-            for s, (_, _, bt) in enumerate(entries):
-                bts[s, :len(bt)] = bt
-            slots[:S] = bts[np.arange(S), start // G] * G + start % G
-            kv_lens[:S] = spos[:S] = start + 1
-            cu[1:S + 1] = np.arange(1, S + 1)
-            rows[:S] = np.arange(S)
-            cu[S + 1:] = S
-            if prev_rows is not None:
-                src[:S] = prev_rows
-            return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed,
-                              spos, decode_only, src)
-        t = 0
-        for s, (ids, start, bt) in enumerate(entries):
-            n = len(ids)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[t:t + n] = ids
-            positions[t:t + n] = pos
+        norm = [e if len(e) == 4 else (0, *e) for e in entries]
+        R = self.num_ranks
+        per_rank_tokens = [0] * R
+        for r, ids, _, _ in norm:
+            if not 0 <= r < R:
+                raise ValueError(f"entry on dp rank {r}, the mesh has {R}")
+            per_rank_tokens[r] += len(ids)
+        T = self._bucket_for(max(max(per_rank_tokens), 1))
+        inp = self._empty_inputs(T)
+        S = inp.kv_lens_S.shape[1]
+        t_of, s_of = [0] * R, [0] * R
+        for n, ((r, ids, start, bt), smp) in enumerate(zip(norm, sampling)):
+            s, t = s_of[r], t_of[r]
+            if s >= S:
+                raise ValueError(f"dp rank {r}: more than {S} sequences in a step of {T} tokens")
+            k = len(ids)
+            if len(bt) > self.max_pages:
+                raise ValueError(f"block table of {len(bt)} pages is wider than max_pages_per_seq={self.max_pages}")
             bt_arr = np.asarray(bt, np.int32)
-            slots[t:t + n] = bt_arr[pos // G] * G + pos % G
-            bts[s, :len(bt)] = bt_arr
-            kv_lens[s] = start + n
-            t += n
-            cu[s + 1] = t
-            rows[s] = t - 1
-            spos[s] = start + n
-            if prev_rows is not None and prev_rows[s] >= 0:
-                if n != 1:
-                    raise ValueError(f"entry {s} takes its token from the previous step but has {n} tokens")
-                src[t - 1] = prev_rows[s]
-        cu[S + 1:] = t
-        return StepInputs(tokens, positions, slots, bts, kv_lens, cu, rows, temp, top_k, top_p, min_p, seed, spos,
-                          decode_only, src)
+            pos = np.arange(start, start + k, dtype=np.int32)
+            inp.tokens_T[r, t:t + k] = ids
+            inp.positions_T[r, t:t + k] = pos
+            inp.slots_T[r, t:t + k] = bt_arr[pos // G] * G + pos % G
+            inp.block_tables_SP[r, s, :len(bt)] = bt_arr
+            inp.kv_lens_S[r, s] = start + k
+            inp.cu_q_lens_S1[r, s + 1] = t + k
+            inp.sample_rows_S[r, s] = t + k - 1
+            inp.sample_pos_S[r, s] = start + k
+            (inp.temperature_S[r, s], inp.top_k_S[r, s], inp.top_p_S[r, s], inp.min_p_S[r, s],
+             inp.seed_S[r, s]) = smp
+            if prev_rows is not None and prev_rows[n] >= 0:
+                if k != 1:
+                    raise ValueError(f"entry {n} takes its token from the previous step but has {k} tokens")
+                inp.src_T[r, t] = prev_rows[n]
+            inp.rows.append(r * S + s)
+            inp.local_rows.append(s)
+            s_of[r], t_of[r] = s + 1, t + k
+        for r in range(R):              # padding sequences: empty (cu stays at the rank's token count)
+            inp.cu_q_lens_S1[r, s_of[r] + 1:] = t_of[r]
+        return inp
 
-    @staticmethod
-    def _key(inp: StepInputs, want_logprobs: bool, layout=None):
-        return inp.decode_only, want_logprobs, layout if layout is not None else inp.pack()[2]
+    # ---- running --------------------------------------------------------------------------------------------
+    def _abstract_args(self, bucket: int):
+        ints, floats, _ = self._empty_inputs(bucket).pack()
+        sd = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rank_sharding)  # noqa: E731
+        return self.params, self.caches, sd(ints), sd(floats), self._no_prev
 
-    def _static(self, inp: StepInputs, want_logprobs: bool, layout) -> dict:
-        return dict(layout=layout, spec=self.spec, decode_only=inp.decode_only, want_logprobs=want_logprobs,
-                    attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
-
-    def precompile(self, inputs: list[StepInputs], want_logprobs: bool = False, workers: int = 8) -> float:
-        """Compile the step for each input's bucket ahead of use, several at once; returns the wall seconds.
-
-        Lowering (tracing) runs here one bucket at a time; the XLA compiles run in a thread pool (they release the
-        GIL; on the H200 most of a decode step's compile is Triton GEMM codegen). Later `run` calls of the same
-        bucket use these executables; a bucket compiled twice is compiled once."""
-        import concurrent.futures as cf
-        import time
+    def precompile(self, buckets=None, workers: int = 8, progress: bool = False) -> float:
+        """Compile the step for `buckets` (default: all) ahead of use, several XLA compiles at once; returns the wall
+        seconds. Lowering (tracing) runs here one bucket at a time; the compiles run in a thread pool (they release
+        the GIL). Afterwards `ready` is set."""
+        from tqdm.auto import tqdm
         t = time.perf_counter()
         todo = {}
-        for inp in inputs:
-            ints, floats, layout = inp.pack()
-            key = self._key(inp, want_logprobs, layout)
-            if key not in self._compiled and key not in todo:
-                todo[key] = self._fn.lower(self.params, self.caches, ints, floats, self._no_prev,
-                                           **self._static(inp, want_logprobs, layout))
+        for b in (self.buckets if buckets is None else buckets):
+            b = self._bucket_for(b)
+            if b not in self._compiled and b not in todo:
+                todo[b] = self._fn(b).lower(*self._abstract_args(b))
+        bar = tqdm(total=len(todo), desc="compiling step programs", disable=not progress or not todo, unit="prog")
         with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
-            for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
-                self._compiled[key] = exe
+            futs = {pool.submit(lowered.compile): b for b, lowered in todo.items()}
+            for f in cf.as_completed(futs):
+                self._compiled[futs[f]] = f.result()
+                bar.update(1)
+        bar.close()
+        if buckets is None:
+            self.ready = True
         return time.perf_counter() - t
 
     def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False, prev=None) -> dict:
-        """Start the step on device (no wait); `packed` = inp.pack()'s arrays, host or already on device; `prev` =
-        the previous launch's outputs when `inp.src_T` takes tokens from them (overlapped scheduling).
-        Returns the step's outputs as device arrays; the KV pools are updated in place."""
-        ints, floats, layout = inp.pack() if packed is None else packed
+        """Start the step on device (no wait); `packed` = inp.pack()'s arrays; `prev` = the previous launch's outputs
+        when `inp.src_T` takes tokens from them (overlapped scheduling). Returns the step's outputs as device arrays
+        (logprobs are always computed; `want_logprobs` is accepted for callers and ignored). The KV pools are
+        updated in place."""
+        ints, floats, _ = inp.pack() if packed is None else packed
         prev_M = self._no_prev if prev is None else prev["tokens_M"]
         if self._wait_before_launch:
             # XLA:CPU: the previous step (whose output pools this one donates) is finished first. Three clean-clone
             # test runs with steps launched onto pending donated pools segfaulted later inside XLA:CPU; the host
             # work of overlapped scheduling still overlaps the previous step, only the launch waits.
             jax.block_until_ready((self.caches, prev_M))
-        exe = self._compiled.get(self._key(inp, want_logprobs, layout))
+        b = inp.num_tokens
+        ints = jax.device_put(ints, self._rank_sharding)
+        floats = jax.device_put(floats, self._rank_sharding)
+        exe = self._compiled.get(b)
         if exe is not None:
             out, self.caches = exe(self.params, self.caches, ints, floats, prev_M)
         else:
-            out, self.caches = self._fn(self.params, self.caches, ints, floats, prev_M,
-                                        **self._static(inp, want_logprobs, layout))
+            if self.ready:
+                log.warning("step program for %d tokens per rank (x%d ranks, %d sequence slots, %d pages per "
+                            "sequence) compiles after warm-up", b, self.num_ranks, self.seqs_for(b), self.max_pages)
+            out, self.caches = self._fn(b)(self.params, self.caches, ints, floats, prev_M)
         return out
 
     @staticmethod
-    def fetch(out: dict) -> dict[str, np.ndarray]:
+    def fetch(out: dict, want_logprobs: bool = True) -> dict[str, np.ndarray]:
         """Wait for a launched step and bring what the host needs (not the padded device-side tokens)."""
-        return jax.device_get({k: v for k, v in out.items() if k != "tokens_M"})
+        keys = ("tokens", "token_logprob", "top_logprobs", "top_ids") if want_logprobs else ("tokens",)
+        return jax.device_get({k: out[k] for k in keys})
 
     def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
-        return self.fetch(self.launch(inp, want_logprobs=want_logprobs))
+        """Launch and fetch; outputs in entry order (row i = the i-th entry of `build_inputs`)."""
+        out = self.fetch(self.launch(inp), want_logprobs)
+        rows = np.asarray(inp.rows, np.int64)
+        return {k: v[rows] for k, v in out.items()}

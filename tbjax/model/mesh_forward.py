@@ -63,8 +63,9 @@ class MeshPlan:
 
     @property
     def packed(self) -> bool:
-        """Attention weights live packed in params["attn_packed"] (split over the attention axes)."""
-        return bool(self.layout.attn_axes)
+        """Attention weights live packed in params["attn_packed"], split over the attention axes (when those hold
+        more than one device; on one device the plain tree is used: nothing to gather)."""
+        return self.attn_shards > 1
 
 
 def make_plan(spec: ModelSpec, mesh, layout: DecodeLayout, dtype=None, fp8_scales=None,

@@ -188,7 +188,9 @@ def _body(params, caches, ints, floats, prev_M, *, layout, st: _StepStatic):
                                 inp["seed_S"], inp["sample_pos_S"])
     top_lp, top_ids = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
     out = {"tokens": tok_S,
-           "tokens_M": jnp.zeros_like(prev_M).at[:tok_S.shape[0]].set(tok_S),
+           # (a slice update, not .at[:S].set: with S == M that is a scatter with an empty index constant, which
+           # crashes Shardy's unused-input canonicalization of the shard_map on XLA:CPU, jax 0.11.2)
+           "tokens_M": jax.lax.dynamic_update_slice(jnp.zeros_like(prev_M), tok_S, (0,)),
            "token_logprob": jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0],
            "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
     return out, caches

@@ -661,8 +661,10 @@ class Scheduler:
                     plan = self._plan(seq, r, budget)
                     if plan is None:
                         continue
-                    # most headroom left after admission (a cached prefix counts as saved pages), then fewest running
-                    key = (r.headroom - plan.new_pages - plan.unlocked, -r.num_running, -r.idx)
+                    # most headroom left after admission, counting a reused cached prefix as saved pages (its pages
+                    # are resident already and now shared), then fewest running
+                    reused = plan.match.num_pages if plan.match is not None else 0
+                    key = (r.headroom - plan.new_pages - plan.unlocked + reused, -r.num_running, -r.idx)
                     if best is None or key > best[0]:
                         best = (key, plan)
                 if best is None:

@@ -210,7 +210,10 @@ def resolve_mesh(mesh, devices=None):
         dflt = jax.config.jax_default_device
         devices = [dflt] if (mesh is None and dflt is not None) else jax.devices()
     sizes = {} if mesh is None else (parse_mesh_arg(mesh) if isinstance(mesh, str) else dict(mesh))
-    return make_mesh(**sizes, devices=devices)
+    m = make_mesh(**sizes, devices=devices)
+    # Auto axes: the step is a shard_map either way, and host-side helpers (KV export / import, cache fills) index
+    # the sharded pools with plain jnp ops, which explicit-sharding types would refuse.
+    return jax.sharding.Mesh(m.devices, m.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(m.axis_names))
 
 
 class ModelRunner:

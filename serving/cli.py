@@ -1,9 +1,12 @@
 """`python -m tbjax.serve`: load a model, serve it over gRPC, drain and stop on SIGINT/SIGTERM.
 
 With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:50051 with metrics on
-127.0.0.1:9464; any other address only through an explicit ``--host`` / ``--metrics-host``. It prints one
-line saying where it listens once it accepts requests. The first SIGINT/SIGTERM drains (health turns
-NOT_SERVING, new RPCs are refused, running ones get ``--drain-timeout`` seconds), a second one stops at once.
+127.0.0.1:9464; any other address only through an explicit ``--host`` / ``--metrics-host``. Start-up: it loads
+the model, listens (gRPC health NOT_SERVING, Generate refused with UNAVAILABLE "warming up ..."), compiles every
+program the engine can run (``--no-warmup`` skips that), then turns health SERVING and prints one line on stdout
+saying where it serves; after that no request should compile anything (``tbjax_xla_compiles_total``). The first
+SIGINT/SIGTERM drains (health turns NOT_SERVING, new RPCs are refused, running ones get ``--drain-timeout``
+seconds), a second one stops at once.
 """
 from __future__ import annotations
 
@@ -85,14 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="launch engine step N+1 before waiting for step N (default: on with an accelerator, off on "
                           "CPU); --no-overlap-scheduling runs one step at a time")
-    eng.add_argument("--warmup", action="store_true", help="run one short request through the engine before "
-                     "listening (compiles the common programs)")
+    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                     help="compile every program the engine can run before reporting ready (health SERVING); "
+                          "--no-warmup serves at once and compiles on first use")
     eng.add_argument("--engine-process", action="store_true",
                      help="colocated: run the engine in a child process, off the server's GIL (streams keep up with "
                           "big batches; the child loads the weights, this process only the tokenizer)")
     eng.add_argument("--fake-engine", action="store_true",
                      help="serve serving.fake_engine (a test double, no model) - for testing the front end only")
     eng.add_argument("--fake-step-time", type=float, default=0.0, help="seconds per fake engine step")
+    eng.add_argument("--fake-warmup-time", type=float, default=0.0, help="seconds the fake engine's warm-up takes")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 
@@ -105,12 +110,11 @@ def _engine_kw(a: argparse.Namespace) -> dict:
             if v is not None}
 
 
-def _child_engine(path, engine_kw: dict, warmup: bool):
-    """Runs in the engine process (serving/engine_proc.py): load the model, build its engine, warm it up."""
+def _child_engine(path, engine_kw: dict, warmup: bool = False):
+    """Runs in the engine process (serving/engine_proc.py): load the model, build its engine (the child's loop warms
+    it up next, reporting its progress to the server; ``warmup`` is kept for old pickles and ignored)."""
     import tbjax
-    llm = tbjax.LLM(path, progress=False, **engine_kw)
-    if warmup:
-        _warmup(ServedModel.from_llm(llm))
+    llm = tbjax.LLM(path, progress=False, warmup=False, **engine_kw)
     return llm.engine
 
 
@@ -129,7 +133,7 @@ def engine_process_model(a: argparse.Namespace):
                                 ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
         model = fake_served_model(**kw)
         model.engine = None
-        return model, functools.partial(FakeEngine, step_time_s=a.fake_step_time, **kw)
+        return model, functools.partial(FakeEngine, step_time_s=a.fake_step_time, warmup_s=a.fake_warmup_time, **kw)
     spec, tok = load_model_info(a.model)
     kw = _engine_kw(a)
     ctx = min(kw.get("max_model_len") or spec.max_position, spec.max_position)
@@ -137,7 +141,7 @@ def engine_process_model(a: argparse.Namespace):
                         vocab_size=spec.vocab_size, max_context=ctx,
                         eos_token_ids=tuple(getattr(tok, "eos_token_ids", ()) or spec.eos_token_ids),
                         make_params=SamplingParams, engine=None)
-    return model, functools.partial(_child_engine, a.model, kw, a.warmup)
+    return model, functools.partial(_child_engine, a.model, kw)
 
 
 def load_served_model(a: argparse.Namespace) -> ServedModel:
@@ -146,7 +150,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
         kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
                                 ("max_num_batched_tokens", a.max_num_batched_tokens),
                                 ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
-        return fake_served_model(step_time_s=a.fake_step_time, **kw)
+        return fake_served_model(step_time_s=a.fake_step_time, warmup_s=a.fake_warmup_time, **kw)
     import tbjax
 
     engine_kw = _engine_kw(a)
@@ -163,7 +167,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
     if a.role == "split":
         return tuple(ServedModel.from_llm(_llm_on(tbjax, a.model, dev, engine_kw), name=name)
                      for dev in split_devices())
-    llm = tbjax.LLM(a.model, progress=False, **engine_kw)
+    llm = tbjax.LLM(a.model, progress=False, warmup=False, **engine_kw)   # the server warms it up, listening
     return ServedModel.from_llm(llm, name=name)
 
 
@@ -212,21 +216,26 @@ def split_devices():
 def _llm_on(tbjax, path, device, engine_kw):
     import jax
     with jax.default_device(device):   # weights and KV pools of this engine live on `device`
-        return tbjax.LLM(path, progress=False, **engine_kw)
+        return tbjax.LLM(path, progress=False, warmup=False, **engine_kw)
 
 
-def _warmup(model: ServedModel) -> float:
+def _warmup(model: ServedModel, progress: bool = False) -> float:
+    """Warm ``model``'s engine up on this thread (``engine_loop.warm_up``: ``Engine.warmup``, else one short
+    request); the server does this itself (``Server(warmup=True)``). Returns the seconds it took."""
+    from .engine_loop import warm_up
     t0 = time.perf_counter()
-    eng = model.engine
-    ids = model.tokenizer.encode("Hello")
-    pipeline = getattr(eng, "pipe", None) is not None        # a prefill-only pipeline engine
-    kw = {"prefill_only": True} if pipeline else {}
-    eng.add_request("__warmup__", ids, model.make_params(max_tokens=4, temperature=0.0), **kw)
-    while eng.has_unfinished():
-        eng.step()
-    if pipeline:
-        eng.abort("__warmup__")                              # drop the held KV
+    warm_up(model.engine, progress=progress, make_params=model.make_params, tokenizer=model.tokenizer)
     return time.perf_counter() - t0
+
+
+def _warmup_line(name: str, info: dict | None) -> str:
+    info = info or {}
+    if info.get("how") == "already ready":
+        return f"tbjax: {name}: the engine was already warmed up"
+    what = f"{info['programs']} programs" if isinstance(info.get("programs"), int) else "programs"
+    how = " (one short request: this engine has no warmup())" if info.get("how") == "one request" else ""
+    return (f"tbjax: {name}: warm-up compiled {what} in {info.get('seconds', 0.0):.1f} s{how}; "
+            f"{info.get('xla_compiles', 0)} XLA compiles, {info.get('xla_compile_seconds', 0.0):.1f} s")
 
 
 async def _serve_split(a: argparse.Namespace, models) -> int:
@@ -236,20 +245,29 @@ async def _serve_split(a: argparse.Namespace, models) -> int:
     workers = [Server(m, host="127.0.0.1", port=0, limits=Limits(), metrics_port=None, role=r,
                       kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
                       kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier,
-                      kv_ipc_bytes=a.kv_ipc_mb << 20)
+                      kv_ipc_bytes=a.kv_ipc_mb << 20, warmup=a.warmup, warmup_progress=a.warmup)
                for m, r in ((pre_model, "prefill"), (dec_model, "decode"))]
     for w in workers:
-        await w.start()
+        await w.listen()
+
+    async def workers_ready():   # the public router turns SERVING only once both engines are warm
+        for w, what in zip(workers, ("prefill", "decode")):
+            info = await w.wait_ready()
+            if a.warmup:
+                print(_warmup_line(f"{what} worker", info), file=sys.stderr, flush=True)
+
     try:
         a = argparse.Namespace(**{**vars(a), "role": "router", "prefill_workers": workers[0].address,
                                   "decode_workers": workers[1].address})
-        return await _serve(a, pre_model, label="split: router + prefill + decode workers in one process")
+        return await _serve(a, pre_model, label="split: router + prefill + decode workers in one process",
+                            before_ready=workers_ready)
     finally:
         for w in reversed(workers):
             await w.stop(0)
 
 
-async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = None, engine_factory=None) -> int:
+async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = None, engine_factory=None,
+                 before_ready=None) -> int:
     limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
                     default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
                     max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
@@ -259,7 +277,7 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                     decode_workers=[w for w in a.decode_workers.split(",") if w],
                     kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
                     kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier, kv_ipc_bytes=a.kv_ipc_mb << 20,
-                    engine_factory=engine_factory)
+                    engine_factory=engine_factory, warmup=a.warmup and a.role != "router", warmup_progress=True)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -274,11 +292,36 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    await server.start()
-    where = f"tbjax: serving {model.name} ({label or a.role}) on {server.address} (gRPC tbjax.v1)"
-    if server.bound_metrics_port is not None:
-        where += f", metrics on http://{a.metrics_host}:{server.bound_metrics_port}/metrics"
-    print(where, flush=True)
+    await server.listen()
+    warming = a.warmup and a.role != "router"
+    metrics = (f", metrics on http://{a.metrics_host}:{server.bound_metrics_port}/metrics"
+               if server.bound_metrics_port is not None else "")
+    print(f"tbjax: listening on {server.address}{metrics}; health NOT_SERVING until "
+          f"{'the engine is warmed up' if warming else 'the engine is ready'}", file=sys.stderr, flush=True)
+
+    async def become_ready():
+        if before_ready is not None:
+            await before_ready()
+        return await server.wait_ready()
+
+    ready = asyncio.ensure_future(become_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.done():
+        err = ready.exception()
+        if err is not None:
+            print(f"tbjax: cannot serve: {err}", file=sys.stderr, flush=True)
+            stopped.cancel()
+            await server.stop(0)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            return 1
+        if warming:
+            print(_warmup_line(model.name, ready.result()), file=sys.stderr, flush=True)
+        print(f"tbjax: serving {model.name} ({label or a.role}) on {server.address} (gRPC tbjax.v1){metrics}",
+              flush=True)
+    else:   # a signal during the warm-up: nothing runs yet, stop (the loop below drains nothing)
+        print("tbjax: stopped before the warm-up finished", file=sys.stderr, flush=True)
     await stop.wait()
     drain = asyncio.create_task(server.stop(a.drain_timeout))
     forced = asyncio.create_task(force.wait())
@@ -287,6 +330,12 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
         await server.stop(0)   # cancels what still runs (each handler aborts its request in the engine)
         await drain
     forced.cancel()
+    if not ready.done():
+        await asyncio.wait({ready}, timeout=5)
+    if ready.done() and not ready.cancelled():
+        ready.exception()   # retrieved: the stop came first
+    else:
+        ready.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
     print("tbjax: stopped", file=sys.stderr, flush=True)
@@ -321,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--engine-process serves a model file (or --fake-engine); the synthetic model is for benchmarks/"
                  "load_test.py --engine-process")
     t0 = time.perf_counter()
+    from tbjax import compile_monitor
+    compile_monitor.install()   # count every compile of this process, loading included
     if a.engine_process:
         model, factory = engine_process_model(a)
         print(f"tbjax: {model.name}: the engine starts in a child process", file=sys.stderr, flush=True)
@@ -331,8 +382,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     model = load_served_model(a)
     print(f"tbjax: loaded {(model[0] if isinstance(model, tuple) else model).name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if a.warmup and a.role not in ("router", "split"):
-        print(f"tbjax: warmup took {_warmup(model):.1f} s", file=sys.stderr, flush=True)
     try:
         if a.role == "split":
             return asyncio.run(_serve_split(a, model))

@@ -10,6 +10,11 @@ Whatever happens to a request, its stream gets exactly one terminal item: a fini
 or an exception (``ValueError`` from ``add_request``: the request was refused; ``EngineFailed``: a step
 crashed; ``EngineStopped``: the server shut down). An aborted request gets nothing more: its caller
 asked for the abort and no longer listens.
+
+Warm-up (``warmup=True``): before it takes any command the thread compiles every program the engine can run
+(``warm_up``: ``Engine.warmup``, or one short request for an engine without it); ``ready`` turns True afterwards,
+and ``startup_status()`` says how far it got (the servicer refuses requests with it until then). Commands that
+arrive meanwhile wait in the inbox.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["EngineLoop", "RequestStream", "Admitted", "EngineFailed", "EngineStopped"]
+__all__ = ["EngineLoop", "RequestStream", "Admitted", "EngineFailed", "EngineStopped", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +79,75 @@ def _deliver(items: list) -> None:  # runs on the servicer's loop
         stream.put(item)
 
 
+WARMUP_REQUEST_ID = "__warmup__"
+# Engine loops of one process warm up one at a time (e.g. --role split's two engines): compiles use every core
+# anyway, and concurrent XLA:CPU compiles in engine threads were a suspect of crashes on the 2-core dev box.
+_WARMUP_LOCK = threading.Lock()
+
+
+def warm_up(engine, *, progress: bool = False, make_params: Callable[..., Any] | None = None,
+            tokenizer=None) -> dict:
+    """Compile every program ``engine`` can run, on the calling thread (the one that owns the engine). An engine
+    with ``warmup(progress=...)`` does it itself (it returns e.g. ``{"programs": n, "seconds": s}``) and one whose
+    ``ready`` is already True is left alone; any other runs one short greedy request (prefill-only for a pipeline
+    prefill engine), which compiles the common programs only. The result also says how many XLA compiles this
+    process saw meanwhile (``xla_compiles``, ``xla_compile_seconds``: ``tbjax.compile_monitor``) and how the warm-up
+    was done (``how``: "engine", "already ready", "one request")."""
+    from tbjax import compile_monitor
+
+    compile_monitor.install()
+    c0, s0, t0 = compile_monitor.count(), compile_monitor.seconds(), time.perf_counter()
+    fn = getattr(engine, "warmup", None)
+    if getattr(engine, "ready", None) is True:
+        info = {"how": "already ready", "programs": 0}
+    elif callable(fn):
+        info = {"how": "engine", **dict(fn(progress=progress) or {})}
+    else:
+        _one_request(engine, make_params, tokenizer)
+        info = {"how": "one request"}
+    info.setdefault("seconds", time.perf_counter() - t0)
+    info["xla_compiles"] = compile_monitor.count() - c0
+    info["xla_compile_seconds"] = compile_monitor.seconds() - s0
+    info.setdefault("programs", info["xla_compiles"])
+    return info
+
+
+def _one_request(engine, make_params, tokenizer) -> None:
+    if make_params is None:
+        from tbjax.sampling import SamplingParams as make_params
+    tok = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+    ids = tok.encode("Hello") if tok is not None else [1, 2, 3, 4]
+    pipeline = getattr(engine, "pipe", None) is not None       # a prefill-only pipeline engine
+    kw = {"prefill_only": True} if pipeline else {}
+    engine.add_request(WARMUP_REQUEST_ID, ids, make_params(max_tokens=4, temperature=0.0), **kw)
+    while engine.has_unfinished():
+        engine.step()
+    if pipeline:
+        engine.abort(WARMUP_REQUEST_ID)                         # drop the held KV
+
+
+def warming_message(phase: str, compiles: int, elapsed_s: float) -> str:
+    """What a request hears while the server starts (UNAVAILABLE)."""
+    if phase == "loading":
+        what = f"loading the model ({elapsed_s:.0f} s so far)"
+    else:
+        what = f"compiling its programs ({compiles} XLA compiles, {elapsed_s:.0f} s so far)"
+    return f"the server is warming up: {what}; retry when gRPC health reports SERVING"
+
+
 class EngineLoop:
     """Runs ``engine.step()`` on its own thread. ``submit``/``abort``/``call`` are safe from any thread."""
 
-    def __init__(self, engine, metrics=None, *, stats_interval_s: float = 0.25, name: str = "tbjax-engine"):
+    def __init__(self, engine, metrics=None, *, stats_interval_s: float = 0.25, name: str = "tbjax-engine",
+                 warmup: bool = False, warmup_progress: bool = False, make_params: Callable[..., Any] | None = None,
+                 tokenizer=None):
         self.engine = engine
+        self.warmup = warmup
+        self._warmup_kw = dict(progress=warmup_progress, make_params=make_params, tokenizer=tokenizer)
+        self._ready = threading.Event()
+        self._warm_start: tuple[int, float] | None = None   # (compile count, perf_counter) when warm-up began
+        self.warmup_info: dict | None = None
+        self.warmup_error: BaseException | None = None
         self.metrics = metrics
         self.stats_interval_s = stats_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -127,6 +196,31 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def ready(self) -> bool:
+        """Warmed up (or no warm-up asked for) and serving."""
+        return self._ready.is_set() and self.fatal is None and not self._stopped.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the warm-up ended (True) or ``timeout`` passed (False). Raises when it failed or the loop
+        stopped before it was ready."""
+        if not self._ready.wait(timeout):
+            return False
+        if self.warmup_error is not None:
+            raise RuntimeError(f"engine warm-up failed: {self.warmup_error!r}") from self.warmup_error
+        if self.fatal is not None:
+            raise EngineFailed(f"the engine loop crashed: {self.fatal!r}")
+        return True
+
+    def startup_status(self) -> str:
+        """While not ready: what the engine is doing (for the UNAVAILABLE message)."""
+        from tbjax import compile_monitor
+
+        start = self._warm_start
+        if start is None:
+            return warming_message("compiling", 0, 0.0)
+        return warming_message("compiling", compile_monitor.count() - start[0], time.perf_counter() - start[1])
+
     def inbox_size(self) -> int:
         return self._inbox.qsize()
 
@@ -141,6 +235,19 @@ class EngineLoop:
         last_stats = 0.0
         stopping = False
         try:
+            if self.warmup:
+                from tbjax import compile_monitor
+
+                compile_monitor.install()
+                self._warm_start = (compile_monitor.count(), time.perf_counter())
+                try:
+                    with _WARMUP_LOCK:
+                        self.warmup_info = warm_up(self.engine, **self._warmup_kw)
+                except BaseException as e:  # noqa: BLE001 - reported by wait_ready; the loop stops
+                    self.warmup_error = e
+                    raise
+                log.info("engine warm-up: %s", self.warmup_info)
+            self._ready.set()
             while not stopping:
                 busy = self.engine.has_unfinished()
                 if not busy and self._streams:  # engine forgot requests without a final output (engine bug)
@@ -169,10 +276,11 @@ class EngineLoop:
                     self._refresh_stats()
                     last_stats = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - a bug in this loop must not strand the callers
-            log.exception("engine loop crashed")
+            log.exception("engine warm-up failed" if e is self.warmup_error else "engine loop crashed")
             self.fatal = e
         finally:
             self._stopped.set()
+            self._ready.set()
             self._fail_all(EngineStopped("the server is shutting down") if self.fatal is None
                            else EngineFailed(f"engine loop crashed: {self.fatal!r}"), out)
             self._flush(out)

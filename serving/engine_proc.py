@@ -16,6 +16,12 @@ a new request that reuses its id -- plus the iteration's step durations and, now
 snapshot. A reader thread in the parent unpickles and hands each loop its items in one
 ``call_soon_threadsafe``, like ``EngineLoop``.
 
+Start-up: the child builds the engine, then (``warmup=True``) compiles every program it can run
+(``engine_loop.warm_up``), sending ("warming", compiles so far, seconds) twice a second meanwhile, then
+("ready", stats, warm-up info) and only then reads commands. Every stats snapshot carries the child's XLA compile
+count (``xla_compiles``, ``xla_compile_seconds``; ``tbjax.compile_monitor``) and the durations of the compiles since
+the previous snapshot (``metrics.CHILD_COMPILES_KEY``), which the parent's metrics count as its own.
+
 Same contract as ``EngineLoop``: every stream gets ``Admitted``, outputs, and exactly one terminal item
 (finished output, ``ValueError`` refusal, ``EngineFailed``, ``EngineStopped``); an aborted request gets
 nothing more. Differences: the engine is built in the child by ``engine_factory`` (a picklable callable,
@@ -36,7 +42,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from .engine_loop import Admitted, EngineFailed, EngineStopped, RequestStream
+from .engine_loop import Admitted, EngineFailed, EngineStopped, RequestStream, warm_up, warming_message
+from .metrics import CHILD_COMPILES_KEY
 
 __all__ = ["EngineProcess", "StreamOutput"]
 
@@ -66,9 +73,57 @@ def _picklable_exc(e: BaseException) -> BaseException:
         return (ValueError if isinstance(e, ValueError) else RuntimeError)(f"{type(e).__name__}: {e}")
 
 
-def _child_main(engine_factory, cmd_r, out_w, stats_interval_s: float) -> None:  # noqa: C901 - one loop
-    """The child: build the engine, then loop: commands, one step, one message with everything it produced."""
+class _CompileFeed:
+    """The child's engine stats plus its XLA compiles: the running totals and the compiles since the last call."""
+
+    def __init__(self):
+        from tbjax import compile_monitor
+
+        compile_monitor.install()
+        self._monitor = compile_monitor
+        self._seen = 0
+
+    def stats(self, engine) -> dict:
+        s = dict(engine.stats())
+        n, new = self._monitor.since(self._seen)
+        self._seen = n
+        s["xla_compiles"] = n
+        s["xla_compile_seconds"] = self._monitor.seconds()
+        if new:
+            s[CHILD_COMPILES_KEY] = new
+        return s
+
+
+def _child_warm_up(engine, out_w, progress: bool) -> dict:
+    """``warm_up`` in the child, with a thread that reports progress to the parent meanwhile (the only sender then)."""
+    from tbjax import compile_monitor
+
+    c0, t0 = compile_monitor.count(), time.perf_counter()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(0.5):
+            try:
+                out_w.send(("warming", compile_monitor.count() - c0, time.perf_counter() - t0))
+            except Exception:  # noqa: BLE001 - the parent went away: the main thread finds out
+                return
+
+    out_w.send(("warming", 0, 0.0))
+    th = threading.Thread(target=tick, name="tbjax-warmup-progress", daemon=True)
+    th.start()
     try:
+        return warm_up(engine, progress=progress)
+    finally:
+        done.set()
+        th.join()
+
+
+def _child_main(engine_factory, cmd_r, out_w, stats_interval_s: float, warmup: bool = False,  # noqa: C901
+                warmup_progress: bool = False) -> None:
+    """The child: build the engine, warm it up, then loop: commands, one step, one message with everything it
+    produced."""
+    try:
+        feed = _CompileFeed()   # before the factory: compiles while loading count too
         engine = engine_factory()
     except BaseException as e:  # noqa: BLE001 - report and exit; the parent fails every caller
         out_w.send(("fatal", f"engine factory failed: {e!r}"))
@@ -78,7 +133,15 @@ def _child_main(engine_factory, cmd_r, out_w, stats_interval_s: float) -> None: 
     steps: list = []
     last_stats = 0.0
     try:
-        out_w.send(("ready", dict(engine.stats())))
+        info = None
+        if warmup:
+            try:
+                info = _child_warm_up(engine, out_w, warmup_progress)
+            except Exception as e:  # noqa: BLE001 - report and exit; the parent fails every caller
+                log.exception("engine warm-up failed")
+                out_w.send(("fatal", f"engine warm-up failed: {e!r}"))
+                return
+        out_w.send(("ready", feed.stats(engine), info))
         stopping = False
         while not stopping:
             busy = engine.has_unfinished()
@@ -89,7 +152,7 @@ def _child_main(engine_factory, cmd_r, out_w, stats_interval_s: float) -> None: 
                 live.clear()
             stats = None
             if not busy:
-                stats = dict(engine.stats())
+                stats = feed.stats(engine)
                 last_stats = time.monotonic()
                 if not events:
                     out_w.send(("batch", [], [], stats))
@@ -151,7 +214,7 @@ def _child_main(engine_factory, cmd_r, out_w, stats_interval_s: float) -> None: 
                     if o.finished:
                         del live[rid]
             if stats is None and time.monotonic() - last_stats >= stats_interval_s:
-                stats = dict(engine.stats())
+                stats = feed.stats(engine)
                 last_stats = time.monotonic()
             if events or steps or stats is not None:
                 out_w.send(("batch", events, steps, stats))
@@ -162,7 +225,7 @@ def _child_main(engine_factory, cmd_r, out_w, stats_interval_s: float) -> None: 
                 engine.abort(rid)
             except Exception:  # noqa: BLE001
                 pass
-        out_w.send(("stopped", dict(engine.stats())))
+        out_w.send(("stopped", feed.stats(engine)))
     except (BrokenPipeError, EOFError, KeyboardInterrupt):
         pass
     except BaseException as e:  # noqa: BLE001 - a bug in this loop: tell the parent, which fails every caller
@@ -179,7 +242,8 @@ class EngineProcess:
     engine = None   # lives in the child
 
     def __init__(self, engine_factory: Callable[[], Any], metrics=None, *, stats_interval_s: float = 0.25,
-                 start_timeout_s: float = 600.0, name: str = "tbjax-engine"):
+                 start_timeout_s: float = 600.0, name: str = "tbjax-engine", warmup: bool = False,
+                 warmup_progress: bool = False):
         if not callable(engine_factory):
             raise TypeError(f"engine_factory must be a picklable callable returning an engine, got {engine_factory!r}")
         self.metrics = metrics
@@ -190,7 +254,8 @@ class EngineProcess:
         self._out_r, self._out_w = self._ctx.Pipe(duplex=False)
         _grow_pipe(self._out_w)   # room for many steps of outputs before a slow reader stalls the engine
         self._proc = self._ctx.Process(target=_child_main, name=name, daemon=True,
-                                       args=(engine_factory, self._cmd_r, self._out_w, stats_interval_s))
+                                       args=(engine_factory, self._cmd_r, self._out_w, stats_interval_s, warmup,
+                                             warmup_progress))
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()           # guards _streams, _calls, _pending_adds
@@ -205,13 +270,22 @@ class EngineProcess:
         self._stats: dict = {}
         self.num_steps = 0
         self.fatal: BaseException | None = None
+        self.warmup = warmup
+        self.warmup_info: dict | None = None
+        self._phase = "loading"              # -> "compiling" (warm-up) -> ready
+        self._progress = (0, 0.0)            # warm-up: (XLA compiles so far, seconds)
+        self._t_start: float | None = None
 
     # -- any thread ----------------------------------------------------------------------------------------
-    def start(self) -> "EngineProcess":
+    def start(self, wait: bool = True) -> "EngineProcess":
+        """Start the child; ``wait``: return once it is ready (built, warmed up), else at once (``wait_ready``)."""
+        self._t_start = time.perf_counter()
         self._proc.start()
         self._cmd_r.close()   # the child's ends
         self._out_w.close()
         self._reader.start()
+        if not wait:
+            return self
         if not self._ready.wait(self.start_timeout_s):
             self.stop(timeout=5)
             raise TimeoutError(f"the engine process did not start within {self.start_timeout_s} s")
@@ -288,6 +362,10 @@ class EngineProcess:
                 self._send(("stop",))
             except OSError:
                 pass
+            if not self._ready.is_set():   # still loading / compiling: it reads no command until done
+                self._proc.join(min(2.0, timeout) if timeout is not None else 2.0)
+                if self._proc.is_alive():
+                    self._proc.terminate()
             self._proc.join(timeout)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -305,6 +383,27 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return self._proc.is_alive() and not self._stopped.is_set()
+
+    @property
+    def ready(self) -> bool:
+        """The child has built and warmed up its engine and serves."""
+        return self._ready.is_set() and self.fatal is None and not self._stopped.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the child is ready (True) or ``timeout`` passed (False); raises when it failed to start."""
+        if not self._ready.wait(timeout):
+            return False
+        if self.fatal is not None:
+            raise RuntimeError(f"the engine process failed to start: {self.fatal}")
+        if self._stopped.is_set():
+            raise EngineStopped("the engine process stopped before it was ready")
+        return True
+
+    def startup_status(self) -> str:
+        """While not ready: what the child is doing (for the UNAVAILABLE message)."""
+        if self._phase == "loading":
+            return warming_message("loading", 0, time.perf_counter() - (self._t_start or time.perf_counter()))
+        return warming_message("compiling", *self._progress)
 
     def inbox_size(self) -> int:
         return self._pending_adds
@@ -338,8 +437,12 @@ class EngineProcess:
                             fut.set_result(value)
                         else:
                             fut.set_exception(value)
+                elif kind == "warming":
+                    self._phase, self._progress = "compiling", (msg[1], msg[2])
                 elif kind == "ready":
                     self._set_stats(msg[1])
+                    self.warmup_info = msg[2]
+                    self._phase = "ready"
                     self._ready.set()
                 elif kind == "stopped":
                     self._set_stats(msg[1])
@@ -389,9 +492,13 @@ class EngineProcess:
             self.metrics.engine_inbox.set(self._pending_adds)
 
     def _set_stats(self, stats: dict) -> None:
+        stats = dict(stats)
+        new_compiles = stats.pop(CHILD_COMPILES_KEY, None)
         with self._lock:
             self._stats = stats
         if self.metrics is not None:
+            for sec in new_compiles or ():
+                self.metrics.observe_compile(float(sec))
             self.metrics.update_engine(stats)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -6,8 +6,12 @@ hash of (previous token, position, seed), so its output is known in advance (`re
 compare streamed output with it. Pages are allocated by the real ``tbjax.engine.Scheduler``, so "every
 page comes back" is checked against the real allocator.
 
-Interface (same as the engine's): add_request / abort / step / has_unfinished / stats, plus
+Interface (same as the engine's): add_request / abort / step / has_unfinished / stats / warmup / ready, plus
 ``FakeTokenizer`` (bytes as tokens) and ``FakeSamplingParams`` (the fields of ``tbjax.sampling.SamplingParams``).
+``warmup()`` stands in for compiling every step program: it "compiles" ``warmup_programs`` programs in
+``warmup_s`` seconds of ``time.sleep`` (0 by default), then ``ready`` is True; the engine steps without it too.
+With ``warmup_jit=True`` each of those programs is a real (tiny) XLA compile, so that compile counting
+(``tbjax.compile_monitor``, the ``tbjax_xla_compiles_total`` metric) can be tested through the fake.
 
 As a stand-in for a GPU engine in front-end benchmarks (``benchmarks/load_test.py --spawn fake``):
 ``step_time_s`` is the device's share of a step, spent in ``time.sleep`` (the GIL is free, as while a real
@@ -120,9 +124,15 @@ class FakeEngine:
 
     def __init__(self, *, num_pages: int = 512, page_size: int = 4, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int = 512, step_time_s: float = 0.0,
-                 overlap: bool = False):
+                 overlap: bool = False, warmup_s: float = 0.0, warmup_programs: int = 8, warmup_jit: bool = False):
         if not isinstance(step_time_s, (int, float)) or not step_time_s >= 0:
             raise ValueError(f"step_time_s must be a number >= 0, got {step_time_s!r}")
+        if not isinstance(warmup_s, (int, float)) or not warmup_s >= 0:
+            raise ValueError(f"warmup_s must be a number >= 0, got {warmup_s!r}")
+        self.warmup_s = float(warmup_s)
+        self.warmup_programs = int(warmup_programs)
+        self.warmup_jit = bool(warmup_jit)
+        self.ready = False
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len))
@@ -134,6 +144,22 @@ class FakeEngine:
         # id -> [params, incremental UTF-8 decoder, text so far (with a stop string cut), length of text sent]
         self._req: dict[str, list] = {}
         self.num_added = 0
+
+    def warmup(self, progress: bool = False) -> dict:
+        """The engine's warm-up: "compile" every program (``warmup_programs`` sleeps adding up to ``warmup_s``)."""
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        n = max(self.warmup_programs, 1)
+        for i in tqdm(range(n), desc="compiling (fake)", disable=not progress, leave=False):
+            time.sleep(self.warmup_s / n)
+            if self.warmup_jit and i < self.warmup_programs:
+                import jax
+                import numpy as np
+                # a new function object and a shape of its own: never in JAX's in-memory cache, one backend compile
+                np.asarray(jax.jit(lambda x: x * 2 + 1)(np.zeros((i + 1, 3), np.float32)))
+        self.ready = True
+        return {"programs": self.warmup_programs, "seconds": time.perf_counter() - t0}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: FakeSamplingParams) -> None:
         params.validate(VOCAB)

@@ -5,14 +5,21 @@ clash) and exposes it over HTTP on a separate port, loopback by default. Names f
 conventions (``tbjax_`` prefix, base units: seconds, bytes). The KV-transfer counters exist in every role
 so that dashboards do not change when prefill/decode disaggregation is switched on; colocated serving
 leaves them at zero.
+
+Start-up: ``tbjax_ready`` is 1 once the server has compiled its programs (warm-up) and serves, 0 before and while it
+drains; ``tbjax_xla_compiles_total`` / ``tbjax_xla_compile_seconds`` count every XLA compile of the server's process
+(``tbjax.compile_monitor``, compiles before the metrics existed included) plus, with the engine in a child process,
+the child's (they arrive with its stats). After ``tbjax_ready`` turns 1 the compile count should not move: a rise is
+a program the warm-up missed (each one stalls its whole batch).
 """
 from __future__ import annotations
 
 import threading
+import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-__all__ = ["ServerMetrics", "PHASES"]
+__all__ = ["ServerMetrics", "PHASES", "CHILD_COMPILES_KEY"]
 
 # Request phases timed separately: tokenize+validate (servicer), queue (accepted -> handed to the engine),
 # first_token (handed to the engine -> first token: scheduler wait + prefill), decode (first -> last token).
@@ -20,6 +27,10 @@ PHASES = ("tokenize", "queue", "first_token", "decode")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+_COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# the key of a child engine's stats dict that carries its compiles since the last snapshot (seconds each)
+CHILD_COMPILES_KEY = "xla_compile_new_s"
 
 
 class ServerMetrics:
@@ -61,13 +72,54 @@ class ServerMetrics:
                                      "KV bytes moved between workers, as sent (after the codec)", registry=r)
         self.info = Gauge("tbjax_server_info", "Constant 1, labelled with the server's role", ["role"], registry=r)
         self.info.labels(role=role).set(1)
+        self.xla_compiles = Counter("tbjax_xla_compiles", "XLA compiles (persistent-cache loads included) of this "
+                                    "server's process and its engine process", registry=r)
+        self.xla_compile_seconds = Histogram("tbjax_xla_compile_seconds", "Duration of each XLA compile",
+                                             buckets=_COMPILE_BUCKETS, registry=r)
+        self.ready = Gauge("tbjax_ready", "1 once every program is compiled and the server serves, else 0",
+                           registry=r)
         self._http = None
         self._lock = threading.Lock()
+        self._compile_listener = None
+        self.watch_compiles()
+
+    # -- XLA compiles --------------------------------------------------------------------------------------
+    def observe_compile(self, seconds: float) -> None:
+        self.xla_compiles.inc()
+        self.xla_compile_seconds.observe(seconds)
+
+    def watch_compiles(self) -> None:
+        """Count this process's compiles (those so far, then each new one) through ``tbjax.compile_monitor``. The
+        listener holds this object weakly, and ``close()`` removes it."""
+        from tbjax import compile_monitor
+
+        if self._compile_listener is not None:
+            return
+        ref = weakref.ref(self)
+
+        def on_compile(seconds: float) -> None:
+            m = ref()
+            if m is None:
+                compile_monitor.remove_listener(on_compile)
+            else:
+                m.observe_compile(seconds)
+
+        self._compile_listener = compile_monitor.add_listener(on_compile, replay=True)
+
+    def close(self) -> None:
+        """Stop counting this process's compiles (the endpoint: ``stop_http``)."""
+        from tbjax import compile_monitor
+
+        fn, self._compile_listener = self._compile_listener, None
+        if fn is not None:
+            compile_monitor.remove_listener(fn)
 
     # -- engine snapshot (engine thread) -----------------------------------------------------------------
     def update_engine(self, stats: dict) -> None:
         """Copy an ``Engine.stats()`` dict into the gauges (missing keys leave a gauge as it was)."""
         stats = dict(stats)
+        for sec in stats.pop(CHILD_COMPILES_KEY, None) or ():   # a child engine's new compiles
+            self.observe_compile(float(sec))
         if "kv_pages_used" not in stats and "pages_used" in stats:  # the scheduler's own names
             stats["kv_pages_used"] = stats["pages_used"]
             if "pages_free" in stats:

@@ -7,6 +7,13 @@ process's GIL), and the Prometheus endpoint. The servicer never touches the engi
 client goes away, its deadline passes, the server drains) runs the handler's ``finally``, which aborts the
 request in the engine and so frees its KV pages.
 
+Start-up (``Server.start`` = ``listen`` + ``wait_ready``): the server listens first, with health NOT_SERVING (for ""
+and tbjax.v1.Tbjax) and ``tbjax_ready`` 0; with ``warmup=True`` the engine thread (or the engine's child process)
+then compiles every program the engine can run before it takes a request; meanwhile ``Generate`` is refused with
+UNAVAILABLE saying how far the warm-up got (never queued: a client must not hang on a server that is compiling).
+Then health turns SERVING and ``tbjax_ready`` 1. ``Tokenize`` and ``ModelInfo`` never touch the engine and answer
+throughout.
+
 ``ServerThread`` runs a ``Server`` on a loop in a background thread (tests, notebooks, the load tool).
 """
 from __future__ import annotations
@@ -65,6 +72,13 @@ class TbjaxServicer:
         self._active: dict[str, RequestStream] = {}
         self.num_inflight = 0   # accepted, not finished
         self.num_queued = 0     # accepted, no token yet
+        self.ready = False      # set by Server once the engine is warmed up
+
+    def _startup_message(self) -> str:
+        status = getattr(self.engine_loop, "startup_status", None)
+        if callable(status):
+            return status()
+        return "the server is warming up (its engines compile their programs); retry when gRPC health reports SERVING"
 
     # -- helpers -------------------------------------------------------------------------------------------
     async def _reject(self, context, code: grpc.StatusCode, message: str):
@@ -81,6 +95,8 @@ class TbjaxServicer:
         if isinstance(request, Undecodable):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"cannot parse {request.type_name}: {request.reason}")
+        if not self.ready:   # still compiling: say so at once rather than queue behind the warm-up
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, self._startup_message())
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
@@ -236,6 +252,34 @@ def _generic_handler(servicer: TbjaxServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+class _ReadyGate(grpc.GenericRpcHandler):
+    """Wraps a service of a prefill / decode worker (tbjax.pd.v1.Worker, tbjax.kv.v1): while the engine warms up,
+    each of its RPCs is refused at once with UNAVAILABLE instead of waiting behind the warm-up in the engine's
+    inbox (a router then fails the request with that status, as for a worker that is down)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, servicer: TbjaxServicer):
+        self.inner = inner
+        self.servicer = servicer
+
+    def service(self, handler_call_details):
+        h = self.inner.service(handler_call_details)
+        if h is None or self.servicer.ready:
+            return h
+        message = self.servicer._startup_message()
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+        kw = dict(request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
+        if h.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+        if h.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(refuse, **kw)
+        if h.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(refuse, **kw)
+        return grpc.stream_stream_rpc_method_handler(refuse, **kw)
+
+
 ROLES = ("colocated", "prefill", "decode", "router")
 
 
@@ -245,14 +289,16 @@ class Server:
     ``tbjax.pd.v1.Worker``, and for decode the KV transfer service), ``router`` (the public API over workers:
     ``prefill_workers`` / ``decode_workers`` addresses; no engine runs). ``engine_factory`` (colocated only): a
     picklable callable that builds the engine; it then runs in a child process (``engine_proc.EngineProcess``),
-    off this process's GIL, and ``model.engine`` is not used by the server."""
+    off this process's GIL, and ``model.engine`` is not used by the server. ``warmup``: compile every program of the
+    engine before serving (``engine_loop.warm_up``; ``warmup_progress`` shows a progress bar on stderr); see the module
+    docstring for the order of start-up."""
 
     def __init__(self, model: ServedModel, *, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
                  metrics_host: str = "127.0.0.1", metrics_port: int | None = 0, role: str = "colocated",
                  prefill_workers: list[str] | None = None, decode_workers: list[str] | None = None,
                  kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0,
                  kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto", kv_ipc_bytes: int = 256 << 20,
-                 engine_factory=None):
+                 engine_factory=None, warmup: bool = False, warmup_progress: bool = False):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         if engine_factory is not None and role != "colocated":
@@ -270,9 +316,11 @@ class Server:
             self.engine_loop = Router(prefill_workers or [], decode_workers or [], timeout_s=worker_timeout_s)
         elif engine_factory is not None:
             from .engine_proc import EngineProcess
-            self.engine_loop = EngineProcess(engine_factory, self.metrics)
+            self.engine_loop = EngineProcess(engine_factory, self.metrics, warmup=warmup,
+                                             warmup_progress=warmup_progress)
         else:
-            self.engine_loop = EngineLoop(model.engine, self.metrics)
+            self.engine_loop = EngineLoop(model.engine, self.metrics, warmup=warmup, warmup_progress=warmup_progress,
+                                          make_params=model.make_params, tokenizer=model.tokenizer)
             if role == "prefill":
                 from .pd_worker import PrefillService
                 self.pd_service = PrefillService(self.engine_loop, model.make_params, timeout_s=worker_timeout_s,
@@ -288,6 +336,12 @@ class Server:
         self._stopping = False
         self.bound_port: int | None = None
         self.bound_metrics_port: int | None = None
+        self.warmup_info: dict | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Listening, warmed up, SERVING (and not draining)."""
+        return self.servicer.ready and not self._stopping
 
     @property
     def address(self) -> str:
@@ -295,6 +349,14 @@ class Server:
         return f"{h}:{self.bound_port}"
 
     async def start(self) -> int:
+        """``listen()``, then ``wait_ready()``: returns the port once the server serves."""
+        port = await self.listen()
+        await self.wait_ready()
+        return port
+
+    async def listen(self) -> int:
+        """Listen (health NOT_SERVING, Generate refused with UNAVAILABLE) and start the engine loop, which warms the
+        engine up first when asked to; ``wait_ready`` then waits for it. Returns the bound port."""
         mb = self.limits.max_message_bytes
         server = grpc.aio.server(options=[
             # a decode worker receives KV chunks (a few MB each): the public limit applies to tbjax.v1 requests
@@ -306,9 +368,9 @@ class Server:
         server.add_generic_rpc_handlers((_generic_handler(self.servicer),))
         if self.pd_service is not None:
             from .pd_worker import worker_handler
-            server.add_generic_rpc_handlers((worker_handler(self.pd_service),))
+            server.add_generic_rpc_handlers((_ReadyGate(worker_handler(self.pd_service), self.servicer),))
             if self.role == "decode":
-                server.add_generic_rpc_handlers((self.pd_service.handler(),))
+                server.add_generic_rpc_handlers((_ReadyGate(self.pd_service.handler(), self.servicer),))
                 self.pd_service.start()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -316,8 +378,11 @@ class Server:
         port = server.add_insecure_port(f"{h}:{self.port}")
         if port == 0:
             raise OSError(f"cannot listen on {h}:{self.port}")
-        if self.engine_in_child:   # EngineProcess: wait (off the loop) until its child has built the engine
-            await asyncio.to_thread(self.engine_loop.start)
+        self.metrics.ready.set(0)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine_in_child:   # EngineProcess: spawn the child; it loads and warms up while we listen
+            await asyncio.to_thread(self.engine_loop.start, False)
         else:
             self.engine_loop.start()
         await server.start()
@@ -325,9 +390,29 @@ class Server:
         self.bound_port = port
         if self.metrics_port is not None:
             self.bound_metrics_port = self.metrics.start_http(self.metrics_host, self.metrics_port)
+        return port
+
+    async def wait_ready(self, poll_s: float = 0.05) -> dict | None:
+        """Wait (polling, so that the loop stays free) until the engine loop is ready, then turn health SERVING and
+        ``tbjax_ready`` 1. Returns the warm-up's result (None without a warm-up). Raises RuntimeError when the engine
+        failed to start or warm up, EngineStopped when the server stopped meanwhile."""
+        el = self.engine_loop
+        wait = getattr(el, "wait_ready", None)   # the router has no engine: ready at once
+        if wait is not None:
+            delay = min(0.002, poll_s)
+            while not wait(0):
+                if self._stopping:
+                    raise EngineStopped("the server stopped while it was warming up")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, poll_s)
+        if self._stopping:
+            raise EngineStopped("the server stopped while it was warming up")
+        self.warmup_info = getattr(el, "warmup_info", None)
+        self.servicer.ready = True
+        self.metrics.ready.set(1)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return port
+        return self.warmup_info
 
     async def stop(self, grace: float | None = 10.0) -> None:
         """Drain, then stop: health says NOT_SERVING, new RPCs are refused, RPCs in flight get ``grace``
@@ -340,6 +425,7 @@ class Server:
             await self._server.stop(grace)
             return
         self._stopping = True
+        self.metrics.ready.set(0)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.stop(grace)
@@ -349,6 +435,7 @@ class Server:
             await self.engine_loop.close()
         await asyncio.to_thread(self.engine_loop.stop)
         self.metrics.stop_http()
+        self.metrics.close()
         self._server = None
 
     async def wait_for_termination(self) -> None:
@@ -374,12 +461,14 @@ def new_event_loop(kind: str = "asyncio") -> asyncio.AbstractEventLoop:
 
 class ServerThread:
     """Runs a ``Server`` on its own event loop (``event_loop``: see ``new_event_loop``) in a daemon thread.
-    ``start()`` returns once it listens."""
+    ``start()`` returns once it serves (``start(wait_ready=False)``: once it listens, still warming up;
+    ``wait_ready()`` then waits for the rest)."""
 
     def __init__(self, model: ServedModel, *, event_loop: str = "asyncio", **server_kwargs):
         self.server = Server(model, **server_kwargs)
         self.loop = new_event_loop(event_loop)
         self._thread = threading.Thread(target=self._run, name="tbjax-grpc", daemon=True)
+        self._listening = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stop: asyncio.Event | None = None
@@ -401,20 +490,44 @@ class ServerThread:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         try:
-            await self.server.start()
+            await self.server.listen()
         except BaseException as e:  # noqa: BLE001
             self._error = e
+            self._listening.set()
             self._ready.set()
             await asyncio.to_thread(self.server.engine_loop.stop)
             return
+        self._listening.set()
+        ready = asyncio.ensure_future(self.server.wait_ready())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is not None:
+            self._error = ready.exception()
+        elif not ready.done():
+            self._error = EngineStopped("the server was stopped while it was warming up")
         self._ready.set()
-        await self._stop.wait()
-        await self.server.stop(self._grace)
+        if self._error is None:
+            await stop
+        else:
+            stop.cancel()
+        await self.server.stop(self._grace if self._error is None else 0)
+        if not ready.done():
+            await asyncio.wait({ready}, timeout=5)
+        if ready.done() and not ready.cancelled():
+            ready.exception()   # retrieved (EngineStopped when the stop came first)
 
-    def start(self, timeout: float = 60.0) -> "ServerThread":
+    def start(self, timeout: float = 60.0, wait_ready: bool = True) -> "ServerThread":
         self._thread.start()
+        if not self._listening.wait(timeout):
+            raise TimeoutError("server did not start listening")
+        if self._error is not None:
+            raise self._error
+        return self.wait_ready(timeout) if wait_ready else self
+
+    def wait_ready(self, timeout: float = 60.0) -> "ServerThread":
+        """Wait until the server serves (warm-up done); raises what made it fail."""
         if not self._ready.wait(timeout):
-            raise TimeoutError("server did not start")
+            raise TimeoutError("server did not become ready")
         if self._error is not None:
             raise self._error
         return self

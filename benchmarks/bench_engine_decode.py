@@ -255,7 +255,7 @@ def jax_worker(args) -> dict:
                    for s in range(B)]
         sampling = [(0.0, 0, 1.0, 0.0, s) for s in range(B)]
         inp = runner.build_inputs(entries, sampling)
-        if not inp.decode_only or int(inp.kv_lens_S[:B].min()) != ctx:
+        if int(inp.kv_lens_S[0, :B].min()) != ctx or inp.cu_q_lens_S1[0, B] != B:
             raise RuntimeError(f"unexpected step inputs for B={B} ctx={ctx}")
         return inp
 
@@ -269,7 +269,8 @@ def jax_worker(args) -> dict:
         out = r.run(inp)
         v["first_call_s"] = time.perf_counter() - t
         v["compile_s"] = {k: round(compile_s[k] - c0[k], 3) for k in compile_s}
-        v["bucket_SP"] = list(inp.block_tables_SP.shape)
+        v["bucket_T"] = inp.num_tokens
+        v["bucket_RSP"] = list(inp.block_tables_SP.shape)
         v["new_programs"] = r.num_compiled - n0
         v["fallback_warnings"] = fallbacks[fb0:]
         toks = np.asarray(out["tokens"])[:B]
@@ -284,7 +285,7 @@ def jax_worker(args) -> dict:
             ts.append(time.perf_counter() - t)
         v["run_ms"] = 1e3 * _median(ts)
         ints, floats, layout = inp.pack()
-        packed = (*jax.device_put((ints, floats)), layout)      # inputs already on device: the step alone
+        packed = (*jax.device_put((ints, floats), r._rank_sharding), layout)   # inputs on device: the step alone
 
         def dstep():
             return r.launch(inp, packed)
@@ -315,7 +316,8 @@ def jax_worker(args) -> dict:
         if args.dump_hlo and not os.path.exists(args.dump_hlo):      # optimized HLO of the first shape's step
             try:
                 with open(args.dump_hlo, "w") as f:
-                    f.write(r._fn.lower(r.params, r.caches, arrays, **kw).compile().as_text())
+                    b = inp.num_tokens
+                    f.write(r._fn(b).lower(*r._abstract_args(b)).compile().as_text())
             except Exception as e:  # noqa: BLE001
                 v["dump_hlo_error"] = repr(e)[:500]
         if args.profile and (B, ctx) in _parse_shapes(args.profile):
@@ -327,16 +329,16 @@ def jax_worker(args) -> dict:
 
     def other_runner(impl):
         """A runner with another matmul impl over the same KV pools (moved, not copied)."""
-        o = ModelRunner(spec, runner.params, runner.caches, page_size=G, max_num_seqs=max_b,
+        o = ModelRunner(spec, runner.params, page_size=G, max_num_seqs=max_b,
                         max_num_batched_tokens=max_tokens, max_pages_per_seq=max_ctx // G,
-                        attn_impl=args.attn_impl, matmul_impl=impl)
-        runner.caches = None
+                        attn_impl=args.attn_impl, matmul_impl=impl, layer_buffers="stacked")
+        o.caches, o.pages_per_rank, runner.caches = runner.caches, runner.pages_per_rank, None
         return o
 
     if args.precompile_workers > 0:      # all grid buckets compiled up front, several at once (start-up figure)
         try:
             pre = [make_inputs(B, ctx) for B, ctx in shapes]
-            wall = runner.precompile(pre, workers=args.precompile_workers)
+            wall = runner.precompile([i.num_tokens for i in pre], workers=args.precompile_workers)
             res["precompile"] = {"programs": len(runner._compiled), "workers": args.precompile_workers,
                                  "wall_s": round(wall, 2), "compile_s": dict(compile_s)}
         except Exception as e:  # noqa: BLE001
@@ -434,10 +436,10 @@ def jax_worker(args) -> dict:
             try:
                 inp = make_inputs(B, ctx)
                 auto_toks = np.asarray(runner.run(inp)["tokens"])[:B]
-                ref = ModelRunner(spec, params, runner.caches, page_size=G, max_num_seqs=max_b,
+                ref = ModelRunner(spec, runner.params, page_size=G, max_num_seqs=max_b,
                                   max_num_batched_tokens=max_tokens, max_pages_per_seq=max_ctx // G,
-                                  attn_impl="reference")
-                runner.caches = None
+                                  attn_impl="blocked", layer_buffers="stacked")
+                ref.caches, ref.pages_per_rank, runner.caches = runner.caches, runner.pages_per_rank, None
                 ref_toks = np.asarray(ref.run(inp)["tokens"])[:B]   # same inputs, same KV: greedy tokens
                 v, _, _ = measure(ref, B, ctx, "reference-attention")
                 v["token_agreement_with_auto"] = float(np.mean(auto_toks == ref_toks))

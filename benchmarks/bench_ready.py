@@ -129,7 +129,7 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
                 if proc.poll() is not None:
                     break
                 continue
-            m = re.search(r"serving .* on (\S+:\d+)", line)
+            m = re.search(r"serving .*? on (\S+:\d+)", line)
             if m:
                 addr = m.group(1)
                 res["ready_line_s"] = time.perf_counter() - t0

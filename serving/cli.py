@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="launch engine step N+1 before waiting for step N (default: on with an accelerator, off on "
                           "CPU); --no-overlap-scheduling runs one step at a time")
+    eng.add_argument("--mesh", default=None,
+                     help="decode mesh as axis=size list, e.g. dp=4,ep=2 (axes dp, ep, tp, pp; default: one device): "
+                          "requests, KV pools, attention-weight shards and routed experts spread over its devices")
+    eng.add_argument("--attn-gather", default=None, choices=["all_gather", "ppermute"],
+                     help="how each layer's 1/N attention-weight shards are gathered on a mesh (default all_gather)")
+    eng.add_argument("--attn-wire", default=None, choices=["native", "fp8"],
+                     help="attention weights on the wire: the weights' dtype, or fp8 with block scales")
+    eng.add_argument("--ep-mode", default=None, choices=["gather", "all_to_all"],
+                     help="how tokens reach the devices of their routed experts (default gather)")
     eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="compile every program the engine can run before reporting ready (health SERVING); "
                           "--no-warmup serves at once and compiles on first use")
@@ -103,11 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_kw(a: argparse.Namespace) -> dict:
-    return {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
-                              ("num_pages", a.num_pages), ("page_size", a.page_size),
-                              ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
-                              ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling))
-            if v is not None}
+    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
+                            ("num_pages", a.num_pages), ("page_size", a.page_size),
+                            ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
+                            ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling),
+                            ("mesh", a.mesh))
+          if v is not None}
+    lay = {k: v for k, v in (("attn_gather", a.attn_gather), ("attn_wire", a.attn_wire), ("ep_mode", a.ep_mode))
+           if v is not None}
+    if lay:
+        from sharding.mesh import DecodeLayout
+        kw["decode_layout"] = DecodeLayout(**lay)
+    return kw
 
 
 def _child_engine(path, engine_kw: dict, warmup: bool = False):
@@ -355,6 +371,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--pp pipelines the real model; --fake-engine has none")
     if a.role != "router" and (a.prefill_workers or a.decode_workers):
         ap.error(f"--prefill-workers / --decode-workers are for --role router, not {a.role}")
+    if a.mesh is not None:
+        from sharding.mesh import MeshMismatch, parse_mesh_arg
+        try:
+            parse_mesh_arg(a.mesh)
+        except MeshMismatch as e:
+            ap.error(f"--mesh {a.mesh!r}: {e}")
+        if a.role not in ("colocated", "decode") or a.fake_engine:
+            ap.error(f"--mesh is for the colocated or decode role of a real model (got --role {a.role}"
+                     f"{', --fake-engine' if a.fake_engine else ''})")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
@@ -380,7 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as e:
             print(f"tbjax: cannot serve: {e}", file=sys.stderr)
             return 1
-    model = load_served_model(a)
+    from sharding.mesh import MeshMismatch
+    try:
+        model = load_served_model(a)
+    except MeshMismatch as e:          # the mesh does not fit the model or the machine: one clear line
+        print(f"tbjax: --mesh {a.mesh}: {e}", file=sys.stderr)
+        return 2
     print(f"tbjax: loaded {(model[0] if isinstance(model, tuple) else model).name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         if a.role == "split":

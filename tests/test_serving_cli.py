@@ -139,3 +139,21 @@ def test_engine_process_model_reads_only_spec_and_tokenizer(smollm_f32):
     text = "Hello, world! The capital of France is"
     assert model.tokenizer.encode(text) == tok.encode(text) and model.tokenizer.chat_template == tok.chat_template
     assert pickle.loads(pickle.dumps(factory)).args[1]["max_model_len"] == 1024
+
+
+def test_serve_cli_mesh_builds_a_mesh_engine_and_bad_meshes_are_one_line():
+    """--mesh dp=2 (plus layout flags) reaches the engine: two dp ranks, each with its own KV pool shard; a mesh the
+    machine cannot hold or an unknown axis is refused with exit code 2 and a message naming it."""
+    from serving.cli import build_parser, load_served_model, main
+    a = build_parser().parse_args(["--model", "synthetic", "--num-pages", "8", "--max-num-seqs", "2",
+                                   "--max-num-batched-tokens", "16", "--mesh", "dp=2", "--attn-gather", "ppermute"])
+    m = load_served_model(a)
+    eng = m.engine
+    assert eng.num_ranks == 2 and len(eng.scheduler.ranks) == 2
+    assert eng.runner.layout.attn_gather == "ppermute" and eng.runner.plan.packed
+    pool = eng.runner.caches[0][0]
+    assert len(pool.sharding.device_set) == 2 and pool.shape[0] == 2 * 8
+    assert main(["--model", "synthetic", "--mesh", "dp=16", "--port", "0", "--metrics-port", "-1"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "synthetic", "--mesh", "xp=2"])
+    assert e.value.code == 2

@@ -203,7 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-pages", type=int, default=8192)
-    ap.add_argument("--layer-buffers", default="", help="EngineConfig.layer_buffers ('' = the default)")
+    ap.add_argument("--layer-buffers", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-variants", default="",
+                    help="comma-separated EngineConfig.layer_buffers values for the engine section ('' = default)")
     ap.add_argument("--serve-max-num-seqs", type=int, default=64)
     ap.add_argument("--serve-args", default="", help="extra arguments for python -m tbjax.serve")
     ap.add_argument("--load-n", type=int, default=256)
@@ -238,13 +240,15 @@ def main(argv=None) -> int:
 
     sections = args.sections.split(",")
     if "engine" in sections:
-        cache = tempfile.mkdtemp(prefix="tbjax-ready-engine-")
-        for label in ("cold", "warm"):
-            r = _run_engine(args, cache, f"engine {args.config} {label}")
-            res["results"].append(r)
-            print(json.dumps(r), flush=True)
-            save()
-        shutil.rmtree(cache, ignore_errors=True)
+        for n, lb in enumerate(args.engine_variants.split(",")):     # the first variant cold and warm, others cold
+            cache = tempfile.mkdtemp(prefix="tbjax-ready-engine-")
+            for label in (("cold", "warm") if n == 0 else ("cold",)):
+                r = _run_engine(argparse.Namespace(**{**vars(args), "layer_buffers": lb}), cache,
+                                f"engine {args.config} {lb or 'default'} {label}")
+                res["results"].append(r)
+                print(json.dumps(r), flush=True)
+                save()
+            shutil.rmtree(cache, ignore_errors=True)
     if "serve" in sections or "load" in sections:
         cache = tempfile.mkdtemp(prefix="tbjax-ready-serve-")
         labels = (["cold"] if "serve" in sections else []) + ["warm"]

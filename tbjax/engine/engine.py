@@ -55,7 +55,9 @@ class EngineConfig:
     preemption: str = "recompute"
     attn_impl: str = "auto"
     matmul_impl: str = "auto"             # decode projections: "auto" (kernel on GPU at batch <= 4) | "xla" | "kernel"
-    layer_buffers: str = "stacked"        # "stacked" | "split" (per-layer weight buffers: faster compiles) | "auto"
+    # "auto" (split on GPU) | "stacked" | "split": per-layer weight buffers make the layers' GEMM fusions identical,
+    # so XLA:GPU autotunes and compiles them once (H200, Llama-8B decode program: 6.5 s instead of 41 s)
+    layer_buffers: str = "auto"
     overlap_scheduling: bool | None = None  # launch step N+1 before waiting for step N; None = on unless on CPU
     fold_norms: bool = False              # RMSNorm weights folded into w_qkv / w_gate_up (fewer kernels; not yet timed)
     # The decode mesh: None (one device), "dp=4,ep=2" (axis=size), a dict, or a jax.sharding.Mesh with the axes

@@ -1,23 +1,31 @@
-"""Count the kernels of one decode layer in the engine's decode step, compiled for an sm_90 GPU WITHOUT a GPU.
+"""Count the kernels of one decode layer in the engine's step program, compiled for an sm_90 GPU WITHOUT a GPU.
 
 Why: the Llama-3.1-8B decode step at batch 32 x 1k is launch-bound beyond its GEMMs (H200 profile, RESULTS.md:
 ~12 kernels per layer, the small ones ~0.45 ms/step plus ~0.55 ms of gaps). With no GPU at hand, the optimized HLO
-of the real step (`tbjax.engine.runner._step` through a ModelRunner's jitted function) compiled for the H100/H200
-target is the measurable proxy: every top-level instruction of the entry computation that launches work (a fusion,
-a custom call, a copy, a scatter, ...) is a thunk, i.e. one kernel launch (or one cuBLAS/Mosaic call).
+of the real step (`tbjax.engine.runner.ModelRunner._fn(bucket)`, the one ragged shard_map program per token bucket,
+here on a one-GPU topology mesh with abstract weights and KV pools) compiled for the H100/H200 target is the
+measurable proxy: every top-level instruction of the entry computation that launches work (a fusion, a custom call,
+a copy, a scatter, a while loop, ...) is a thunk, i.e. one kernel launch (or one cuBLAS/Mosaic call).
+A decode batch of B sequences x ctx tokens is the step of token bucket T = bucket(B) (max_num_seqs =
+max_num_batched_tokens = B), so S = min(T, B) sequence slots and block tables ctx // page wide.
 
 Needs the CUDA 12 PJRT plugin importable (it is NOT a dependency of tbjax):
     pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
     PYTHONPATH=/tmp/cuda12plugin JAX_PLATFORMS=cpu python scripts/gpu_hlo_decode.py --layers 2
 Prints a table and, last, one JSON line (also written to --json):
-  {"variants": [{"variant", "layer_buffers", "folded_norms", "kernels_per_layer", "kinds_per_layer": {kind: n},
-                 "layers": [[{"name", "kind", "params", "shape"}, ...], ...], "head", "tail", "total_kernels",
-                 "entry_parameters", "temp_bytes", "thunks": {"top_level", "in_command_buffers"}}, ...],
+  {"variants": [{"variant", "layer_buffers", "folded_norms", "bucket", "sequence_slots", "kernels_per_layer",
+                 "kinds_per_layer": {kind: n}, "sources_per_layer": {jitted function: n},
+                 "layers": [[{"name", "kind", "params", "shape", "src"}, ...], ...], "head", "tail",
+                 "total_kernels", "entry_parameters", "temp_bytes", "thunks": {"top_level", "in_command_buffers"}},
+                ...],
    "diffs": {"stacked vs split": {...}, ...}}
-A layer = the schedule from one attention launch (the Mosaic GPU custom call; every layer has exactly one) up to
-the next: attention, o-projection, residual add, norm, FFN, residual add, next layer's norm, QKV, KV write, RoPE.
-Kernels before the first attention ("head": embedding, first norm/QKV) and from the last one on ("tail": final
-norm, lm_head, sampling) are reported apart. "folded" compiles with tbjax.model.kinds.fold_norms parameters.
+A layer = the schedule from its first attention launch (the Mosaic GPU custom calls: the step's attention entry
+`step_attention` runs the decode kernel AND the ragged kernel in every step, so a layer has two) up to the next
+layer's first: attention and its helpers, o-projection, residual add, norm, FFN, residual add, next layer's norm,
+QKV, KV write, RoPE. Kernels before the first attention ("head": embedding, first norm/QKV) and from the last
+layer's first one on ("tail": last attention, final norm, lm_head, sampling) are reported apart. "src" names the
+jitted function a kernel comes from (op_name metadata: paged_attention_gpu, paged_decode_attention_gpu, write_kv,
+...; '' = the step's own ops). "folded" compiles with tbjax.model.kinds.fold_norms parameters.
 Deviceless compiles skip autotuning: GEMM tile configs here are defaults, not the H200's; fusion decisions (made
 before autotuning, with the target's cost model) are what this measures.
 """
@@ -34,14 +42,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from gpu_hlo_overlap import TARGET, split_computations  # noqa: E402
+from gpu_hlo_overlap import (abstract_runner, compile_bucket, entry_name, gpu_mesh, parse,  # noqa: E402
+                             split_computations)
 
 CONFIG = os.path.join(ROOT, "tests", "data", "configs", "llama-3.1-8b.json")     # = ../shared/configs
 
 # Instructions that do not launch anything (views, tuples, parameters, constants, control).
 NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
              "replica-id", "opt-barrier", "add-dependency"}
-INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+) = (\S+|\([^=]*?\)) ([\w\-]+)\((.*)$")
 
 
 def _callee(rest: str) -> str | None:
@@ -72,8 +80,11 @@ def classify(name: str, op: str, rest: str, comps: dict[str, list[str]]) -> str:
         if cfg in ("__triton_gemm", "__triton_nested_gemm_fusion") or callee.startswith("gemm_fusion"):
             return "gemm fusion (triton)"
         if cfg == "__triton" and "block_level_fusion_config" in rest:
-            red = " reduce(" in body
-            return "triton block-level fusion" + (" (normalization)" if red else "")
+            # a floating-point reduction in its own kernel is a norm's (RMSNorm: sum of squares); integer ones are
+            # index arithmetic (e.g. searchsorted by compare-and-count)
+            if re.search(r"= (?:f32|bf16|f16|f64)\[[^\]]*\]\S* reduce\(", body):
+                return "triton block-level fusion (normalization)"
+            return "triton block-level fusion" + (" (integer reduce)" if " reduce(" in body else "")
         if kind == "kInput":
             return f"input fusion ({_stem(name)})"
         if kind == "kLoop":
@@ -88,34 +99,29 @@ def classify(name: str, op: str, rest: str, comps: dict[str, list[str]]) -> str:
     return op
 
 
-def _n_operands(rest: str) -> int:
-    """Operands of the instruction (the text up to the closing parenthesis of its operand list)."""
-    depth, i = 1, 0
-    while i < len(rest) and depth:
-        depth += {"(": 1, ")": -1}.get(rest[i], 0)
-        i += 1
-    args = rest[: i - 1]
-    return len(re.findall(r"%[\w.\-]+", args))
-
-
 def entry_kernels(hlo: str) -> list[dict]:
     """The launches of the entry computation in schedule order (the optimized module is scheduled)."""
     comps = split_computations(hlo)
-    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
     out = []
-    for ln in comps[entry]:
-        m = INSTR.match(ln)
-        if not m:
+    for ins in parse(comps[entry_name(hlo)]):
+        if ins.op in NO_LAUNCH:
             continue
-        name, shape, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
-        if op in NO_LAUNCH:
-            continue
-        if op in ("while", "conditional", "call"):
-            kind = op            # control flow: its body's kernels are listed separately (sampling, fp8 requant)
+        if ins.op in ("while", "conditional", "call"):
+            kind = ins.op        # control flow: its body's kernels are listed separately (sampling, fp8 requant)
         else:
-            kind = classify(name, op, rest, comps)
-        out.append({"name": name, "op": op, "kind": kind, "params": _n_operands(rest), "shape": shape[:80]})
+            kind = classify(ins.name, ins.op, ins.attrs, comps)
+        out.append({"name": ins.name, "op": ins.op, "kind": kind, "params": len(ins.operands),
+                    "shape": ins.shape[:80], "src": source(ins.attrs)})
     return out
+
+
+def source(attrs: str) -> str:
+    """Where a kernel comes from: the first jitted function inside the step named in its op_name metadata
+    ('jit(body)/jit(paged_attention_gpu)/jit(searchsorted)/...' -> 'paged_attention_gpu'), '' for the step's own
+    ops ('jit(body)/gather')."""
+    m = re.search(r'op_name="([^"]*)"', attrs)
+    scopes = re.findall(r"jit\(([\w.<>\-]+)\)", m.group(1)) if m else []
+    return scopes[1] if len(scopes) > 1 else ""
 
 
 def is_attention(k: dict) -> bool:
@@ -127,65 +133,36 @@ def is_kv_write(k: dict) -> bool:
 
 
 def per_layer(kernels: list[dict], n_layers: int, anchor) -> tuple[list[list[dict]], list[dict], list[dict]]:
-    """Split the schedule at the kernels matched by `anchor` (exactly one per layer): the runs between consecutive
-    anchors are whole layers (n_layers - 1 of them); what comes before the first anchor is `head`, from the last
-    one on `tail`."""
+    """Split the schedule at the kernels matched by `anchor` (the same number k >= 1 per layer, in layer order: a
+    layer's attention depends on the previous layer's output): a layer starts at its first anchor, so the runs between
+    consecutive layers' first anchors are whole layers (n_layers - 1 of them); what comes before the first anchor is
+    `head`, from the last layer's first anchor on `tail`."""
     idx = [i for i, k in enumerate(kernels) if anchor(k)]
-    if len(idx) != n_layers:
-        raise RuntimeError(f"expected {n_layers} anchor kernels (one per layer), found {len(idx)}: "
-                           f"{[kernels[i]['name'] for i in idx]}")
-    layers = [kernels[idx[i]: idx[i + 1]] for i in range(n_layers - 1)]
-    return layers, kernels[: idx[0]], kernels[idx[-1]:]
+    if not idx or len(idx) % n_layers:
+        raise RuntimeError(f"expected a multiple of {n_layers} anchor kernels (the same number per layer), found "
+                           f"{len(idx)}: {[kernels[i]['name'] for i in idx]}")
+    first = idx[:: len(idx) // n_layers]
+    layers = [kernels[first[i]: first[i + 1]] for i in range(n_layers - 1)]
+    return layers, kernels[: first[0]], kernels[first[-1]:]
 
 
 def build(layers: int, batch: int, ctx: int, page: int, layer_buffers: str, attn_impl: str, config: str | None,
           fold: bool = False):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from tbjax.engine.kv_cache import KVCacheConfig, cache_heads
-    from tbjax.engine.runner import ModelRunner
-    from tbjax.model.kinds import fold_norms
-    from tbjax.model.params import param_shapes
+    """The engine's step program (ModelRunner on a one-GPU sm_90 topology mesh, abstract weights and pools) for the
+    token bucket of a decode batch of `batch` sequences: T = bucket(batch) tokens, S = min(T, max_num_seqs = batch)
+    sequence slots, block tables ctx // page wide. Returns (spec, runner, bucket, compiled)."""
+    from sharding.mesh import DecodeLayout
     from tbjax.spec import ModelSpec
 
-    with open(TARGET) as f:
-        topo = topologies.get_topology_desc("h100x1", "cuda", target_config=f.read(), topology="1x1x1")
-    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    rep = NamedSharding(mesh, P())
-    path = config or CONFIG
-    with open(path) as f:
+    with open(config or CONFIG) as f:
         cfg = json.load(f)
     cfg["num_hidden_layers"] = layers
     spec = ModelSpec.from_hf_config(cfg).replace(dtype="bfloat16")
-    sds = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)  # noqa: E731
-    params = param_shapes(spec, "bfloat16")
-    if fold:            # norms folded into the next projection (tbjax/model/kinds.py fold_norms), abstractly
-        params = jax.eval_shape(lambda p: fold_norms(spec, p), params)
-    params = jax.tree.map(sds, params)
-    K, H = cache_heads(spec)
-    num_pages = 1 + batch * (ctx // page)
-    caches = [(jax.ShapeDtypeStruct((num_pages, page, 2 * K, H), jnp.bfloat16, sharding=rep), None)
-              for _ in range(spec.n_layers)]
-    runner = ModelRunner(spec, params, caches, page_size=page, max_num_seqs=batch, max_num_batched_tokens=batch,
-                         max_pages_per_seq=ctx // page, attn_impl=attn_impl, matmul_impl="auto",
-                         layer_buffers="stacked")
-    if layer_buffers == "split":      # split_layer_buffers' tree, abstract (it slices concrete arrays)
-        runner.params = {**params, "groups": {g: {k: [jax.ShapeDtypeStruct(v.shape[1:], v.dtype, sharding=rep)
-                                                      for _ in range(v.shape[0])] for k, v in gp.items()}
-                                              for g, gp in params["groups"].items()}}
-    P_ = ctx // page
-    entries = [([1], ctx - 1, list(range(1 + s * P_, 1 + (s + 1) * P_))) for s in range(batch)]
-    inp = runner.build_inputs(entries, [(0.0, 0, 1.0, 0.0, s) for s in range(batch)])
-    ints, floats, layout = inp.pack()
-    a_ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)
-    a_floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
-    lowered = runner._fn.trace(runner.params, runner.caches, a_ints, a_floats,
-                               **runner._static(inp, False, layout)).lower()
-    return spec, lowered.compile()
+    runner = abstract_runner(spec, gpu_mesh(1), DecodeLayout(), kv_pages=1 + batch * (ctx // page), page_size=page,
+                             max_num_seqs=batch, max_tokens=batch, max_pages_per_seq=ctx // page,
+                             attn_impl=attn_impl, matmul_impl="auto", layer_buffers=layer_buffers, fold_norms=fold)
+    bucket = runner._bucket_for(batch)
+    return spec, runner, bucket, compile_bucket(runner, bucket)
 
 
 def analyse(hlo: str, n_layers: int) -> dict:
@@ -195,9 +172,11 @@ def analyse(hlo: str, n_layers: int) -> dict:
     layers, head, tail = per_layer(ks, n_layers, anchor)
     counts = [len(L) for L in layers]
     kinds = collections.Counter(k["kind"] for k in layers[-1]) if layers else {}
+    srcs = collections.Counter(k["src"] or "(step)" for k in layers[-1]) if layers else {}
     return {"kernels_per_layer": counts[-1] if counts else None, "layer_counts": counts,
-            "kinds_per_layer": dict(sorted(kinds.items())), "total_kernels": len(ks),
-            "layers": [[{x: k[x] for x in ("name", "kind", "params", "shape")} for k in L] for L in layers],
+            "kinds_per_layer": dict(sorted(kinds.items())), "sources_per_layer": dict(sorted(srcs.items())),
+            "total_kernels": len(ks),
+            "layers": [[{x: k[x] for x in ("name", "kind", "params", "shape", "src")} for k in L] for L in layers],
             "head": [{x: k[x] for x in ("name", "kind", "params")} for k in head],
             "tail": [{x: k[x] for x in ("name", "kind", "params")} for k in tail]}
 
@@ -225,8 +204,11 @@ def table(results: list[dict]) -> str:
                          f"{r['thunks']['in_command_buffers']} kernels inside command buffers")
         for k, n in r["kinds_per_layer"].items():
             lines.append(f"   {n:3d}  {k}")
+        lines.append("   by source (jitted function in the op_name): " + ", ".join(
+            f"{k} {n}" for k, n in r["sources_per_layer"].items()))
         lines.append("   schedule of the last whole layer: " + ", ".join(
-            f"{k['name']}[{k['kind']}, {k['params']} ops]" for k in r["layers"][-1]))
+            f"{k['name']}[{k['kind']}, {k['params']} ops{', ' + k['src'] if k['src'] else ''}]"
+            for k in r["layers"][-1]))
     return "\n".join(lines)
 
 
@@ -245,7 +227,7 @@ def thunk_summary(text: str) -> dict:
 
 
 def _newest_thunks(dump_dir: str, seen: set) -> str | None:
-    files = sorted(f for f in os.listdir(dump_dir) if f.endswith("jit__step.thunk_sequence_after_thunk_passes.txt")
+    files = sorted(f for f in os.listdir(dump_dir) if f.endswith(".thunk_sequence_after_thunk_passes.txt")
                    and f not in seen)
     if not files:
         return None
@@ -270,7 +252,7 @@ def main(argv=None):
     ap.add_argument("--quiet", action="store_true", help="only the JSON line")
     a = ap.parse_args(argv)
     if a.layers < 2:
-        raise SystemExit("--layers must be >= 2 (a whole layer lies between two attention launches)")
+        raise SystemExit("--layers must be >= 2 (a whole layer lies between two layers' first attention launches)")
     variants = []
     for v in a.variants.split(","):
         lb, _, mod = v.partition(":")
@@ -285,7 +267,7 @@ def main(argv=None):
                                    " --xla_dump_hlo_pass_re=^$").strip()
     results = []
     for name, lb, fold in variants:
-        spec, compiled = build(a.layers, a.batch, a.ctx, a.page, lb, a.attn_impl, a.config, fold=fold)
+        spec, runner, bucket, compiled = build(a.layers, a.batch, a.ctx, a.page, lb, a.attn_impl, a.config, fold=fold)
         hlo = compiled.as_text()
         if a.dump:
             with open(f"{a.dump}.{name.replace(':', '_')}.txt", "w") as f:
@@ -296,7 +278,8 @@ def main(argv=None):
         r.update(entry_parameters=len(re.findall(r"\w+: ", entry.group(1))) if entry else None,
                  temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes))
         r.update(variant=name, layer_buffers=lb, folded_norms=fold, attn_impl=a.attn_impl, batch=a.batch, ctx=a.ctx,
-                 n_layers=a.layers)
+                 n_layers=a.layers, bucket=bucket, sequence_slots=runner.seqs_for(bucket),
+                 pages_per_seq=runner.max_pages)
         if dump_dir:
             text = _newest_thunks(dump_dir, seen)
             r["thunks"] = thunk_summary(text) if text else None

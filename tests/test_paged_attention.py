@@ -253,3 +253,27 @@ def test_sparse_reference_matches_oracle_and_dense_when_all_pages_fit():
                                                 top_k_pages=50, kv_scales_PK=sc, impl="reference")
   dense = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc)
   assert max_err(everything, dense) < 1e-2, f"seed {seed}"
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 0], [1, 1, 19, 1, 0, 0], [7, 1, 1, 0], [1, 0, 0, 0]])
+def test_step_attention_merges_decode_and_ragged_kernels(q_lens, caplog):
+    """The engine's one attention entry with the kernels (GPU interpreter): the leading one-row sequences through the
+    decode kernel, everything else (chunks, a one-row chunk after them, padding) through the ragged kernel; rows
+    merged by a select. Equals the reference for decode-only, mixed and padded batches."""
+    from pallas_kernels.paged_attention import step_attention
+    from pallas_kernels.paged_attention.reference import paged_attention_reference
+    rng = np.random.default_rng(len(q_lens) + sum(q_lens))
+    S, K, g, H, G, Pmax = len(q_lens), 2, 2, 64, 16, 6
+    P = S * Pmax + 1
+    kv = jnp.asarray(rng.normal(size=(P, G, 2 * K, H)), jnp.bfloat16)
+    bt = jnp.asarray(1 + np.arange(S * Pmax).reshape(S, Pmax), jnp.int32)
+    T = max(sum(q_lens), S)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray([ql + (int(rng.integers(0, 40)) if ql else 0) for ql in q_lens], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(T, K * g, H)), jnp.bfloat16)
+    want = paged_attention_reference(q, kv, bt, lens, cu)
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels.paged_attention"):
+        got = step_attention(q, kv, bt, lens, cu, impl="gpu_interpret")
+    assert not caplog.records, [r.getMessage() for r in caplog.records]      # the kernels ran, no fallback
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n], atol=3e-2, rtol=0)

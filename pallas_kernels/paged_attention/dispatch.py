@@ -45,7 +45,7 @@ def resolve_impl(impl: str) -> str:
 
 
 def _fallback(name, impl, err, fn):
-  log.warning("paged attention: %s kernel (%s) cannot run this call (%s); using the jnp reference", impl, name,
+  log.warning("paged attention: %s kernel (%s) cannot run this call (%s); using the blocked jnp version", impl, name,
               err)
   return fn()
 
@@ -130,11 +130,20 @@ def step_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S
   if which in ("reference", "blocked"):
     return paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, impl=which, **kw)
   T = q_TNH.shape[0]
+  S = kv_lens_S.shape[0]
+  if S > T:
+    raise ValueError(f"step_attention needs at most as many sequences as tokens, got S={S} > T={T}")
+  # The leading run of one-row sequences (the step's decodes: the scheduler puts them first) has sequence s at
+  # row s: those go to the decode kernel and come back by a select (no scatter); every other sequence, one-row
+  # prefill chunks included, goes to the ragged kernel.
   q_lens = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
-  single = q_lens == 1
-  row_S = jnp.clip(cu_q_lens_S1[:-1], 0, T - 1)
-  dec = paged_decode_attention(q_TNH[row_S], kv_pages_PGKH, block_tables_SP, jnp.where(single, kv_lens_S, 0),
+  lead = jnp.cumprod((q_lens == 1).astype(jnp.int32)) > 0                  # [S]: in the leading run of decodes
+  n_lead = jnp.sum(lead.astype(jnp.int32))
+  dec = paged_decode_attention(q_TNH[:S], kv_pages_PGKH, block_tables_SP, jnp.where(lead, kv_lens_S, 0),
                                impl=which, **kw)
-  rag = paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, jnp.where(single, 0, kv_lens_S), cu_q_lens_S1,
+  rag = paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, jnp.where(lead, 0, kv_lens_S), cu_q_lens_S1,
                         impl=which, **kw)
-  return rag.at[jnp.where(single, row_S, T)].set(dec, mode="drop")
+  if T > S:
+    dec = jnp.concatenate([dec, jnp.zeros((T - S, *dec.shape[1:]), dec.dtype)])
+  rows = jnp.arange(T, dtype=jnp.int32)[:, None, None]
+  return jnp.where(rows < n_lead, dec, rag)

@@ -209,12 +209,12 @@ def make_forward(plan: MeshPlan, mesh, param_tree):
 
 
 def xla_options(layout: DecodeLayout) -> dict:
-    """Per-program XLA options. With all-gather prefetch and all-gather expert dispatch, XLA's GPU all-gather
-    combiner merges the next layer's weight gather with the MoE token gather (same replica groups, independent,
-    both small enough), which moves the prefetch onto the critical path (its start lands right before the MoE
-    dispatch). Disabling the combiner for this program keeps them apart (tests/test_sharding_hlo.py). The option
-    is a GPU one; other backends ignore it."""
-    if layout.attn_axes and layout.attn_gather == "all_gather" and layout.ep_mode == "gather":
+    """Per-program XLA options. With all-gather prefetch, XLA's GPU all-gather combiner merges independent
+    gathers: the next layer's weights with the MoE token gather (moving the prefetch onto the critical path), or,
+    with all-to-all expert dispatch, every layer's weight gather into one synchronous gather at the start.
+    Disabling the combiner for this program keeps them apart (tests/test_sharding_hlo.py). The option is a GPU one;
+    other backends ignore it."""
+    if layout.attn_axes and layout.attn_gather == "all_gather":
         return {"xla_gpu_all_gather_combine_threshold_bytes": 0}
     return {}
 

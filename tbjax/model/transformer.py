@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import decode_matmul
@@ -77,6 +78,12 @@ def run_layers(params, spec: ModelSpec, x_TD, cos, sin, attend, caches, *, layer
                 nxt = fetch(packed[idx[n + 1]])
             pa = pk.unpack(buf, ctx.attn_pack, x_TD.dtype)
         d, caches[i] = ATTENTION_APPLY[akind](spec, pa, x_TD, cos, sin, attend, i, caches[i])
+        if packed is not None and n + 1 < len(idx):
+            # Tie the prefetched buffer to this layer's attention output: XLA:GPU's scheduler keeps one async
+            # collective in flight and places a gather's start right after the previous collective (on MoE layers:
+            # after this layer's token all-gathers, i.e. after attention). With the barrier the gather of layer
+            # l+1 brackets layer l's attention (optimized sm_90 HLO, tests/test_sharding_hlo.py).
+            nxt, d = jax.lax.optimization_barrier((nxt, d))
         x_TD = x_TD + d
         y = FFN_APPLY[fkind](spec, p, x_TD, ep=ctx.ep, stats=ctx.moe_stats)
         x_TD = x_TD + y

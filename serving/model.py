@@ -34,8 +34,9 @@ class ServedModel:
     vocab_size: int
     max_context: int                      # prompt + output tokens of one request
     eos_token_ids: tuple[int, ...]
-    make_params: Callable[..., Any]       # SamplingParams(**kwargs)
+    make_params: Callable[..., Any]       # SamplingParams(**kwargs), unset fields from the model's defaults
     engine: Any                           # add_request / abort / step / has_unfinished / stats
+    generation_defaults: Any = None       # tbjax.weights.generation_config.GenerationDefaults (what make_params fills)
 
     @property
     def has_chat_template(self) -> bool:
@@ -55,9 +56,11 @@ class ServedModel:
                 ctx = min(ctx, v)
         tok = llm.tokenizer
         eos = tuple(getattr(tok, "eos_token_ids", ()) or spec.eos_token_ids)
+        defaults = getattr(llm, "generation_defaults", None)
+        make = llm.make_params if defaults is not None else SamplingParams
         return cls(name=name or getattr(llm, "model_name", None) or DEFAULT_MODEL_NAME, arch=spec.arch,
                    tokenizer=tok, vocab_size=spec.vocab_size, max_context=ctx, eos_token_ids=eos,
-                   make_params=SamplingParams, engine=engine)
+                   make_params=make, engine=engine, generation_defaults=defaults)
 
 
 def pipeline_served_model(spec, params, tokenizer, devices, *, name: str, page_size: int | None = None,

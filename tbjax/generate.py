@@ -12,10 +12,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="GGUF file, HF safetensors dir or tbjax checkpoint (default: SmolLM2)")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (default: the model's, see --generation-config)")
+    ap.add_argument("--top-k", type=int, default=None, help="0 = off (default: the model's)")
+    ap.add_argument("--top-p", type=float, default=None, help="default: the model's")
+    ap.add_argument("--min-p", type=float, default=None, help="default: the model's")
+    ap.add_argument("--generation-config", default="auto",
+                    help="sampling defaults: auto (the model's generation_config.json / GGUF metadata / the default "
+                         "model's card: temperature 0.2, top_p 0.9), none (temperature 1, no filters) or a "
+                         "generation_config.json path; the flags above win")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
@@ -31,17 +36,20 @@ def main(argv=None) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop).validate()
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)
+        import dataclasses
+        dataclasses.replace(params).validate()       # bad flags fail before the model loads
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, progress=False)
+                  max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, progress=False,
+                  generation_config=args.generation_config)
         t1 = time.perf_counter()
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
             outs = llm.generate(args.prompt, params)
         t2 = time.perf_counter()
-    except (DefaultModelMissing, SamplingParamsError, ValueError) as e:
+    except (DefaultModelMissing, SamplingParamsError, ValueError) as e:   # GenerationConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p, o in zip(args.prompt, outs):

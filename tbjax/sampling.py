@@ -22,13 +22,21 @@ class SamplingParamsError(ValueError):
 MAX_TOKENS_LIMIT = 1 << 20
 
 
+# What an unset (None) temperature / top_k / top_p / min_p becomes when neither the request nor the model's defaults
+# (tbjax.weights.generation_config: generation_config.json, GGUF metadata, the default model's card) set it.
+LIBRARY_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
 @dataclasses.dataclass
 class SamplingParams:
+    """Per-request sampling. ``temperature`` / ``top_k`` / ``top_p`` / ``min_p`` left None take the model's defaults
+    (``tbjax.LLM`` and the servers fill them: ``with_defaults``), else ``LIBRARY_DEFAULTS`` (``validate`` fills those)."""
+
     max_tokens: int = 256
-    temperature: float = 1.0          # 0 => greedy
-    top_k: int = 0                    # 0 => off
-    top_p: float = 1.0                # in (0, 1]
-    min_p: float = 0.0                # in [0, 1)
+    temperature: float | None = None  # 0 => greedy; None => the model's default, else 1.0
+    top_k: int | None = None          # 0 => off; None => the model's default, else 0
+    top_p: float | None = None        # in (0, 1]; None => the model's default, else 1.0
+    min_p: float | None = None        # in [0, 1); None => the model's default, else 0.0
     seed: int | None = None
     stop: Sequence[str] = ()          # stop strings (not included in the output text)
     stop_token_ids: Sequence[int] = ()
@@ -39,7 +47,20 @@ class SamplingParams:
     def greedy(cls, max_tokens: int = 256, **kw) -> "SamplingParams":
         return cls(max_tokens=max_tokens, temperature=0.0, **kw)
 
+    def with_defaults(self, defaults) -> "SamplingParams":
+        """A copy whose unset (None) sampling fields take ``defaults`` (a dict, e.g. a model's
+        ``GenerationDefaults.sampling()``); fields set explicitly are kept."""
+        fill = {k: v for k, v in dict(defaults or {}).items()
+                if k in LIBRARY_DEFAULTS and v is not None and getattr(self, k) is None}
+        return dataclasses.replace(self, **fill)
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Check every field (raises ``SamplingParamsError`` naming it); sampling fields still unset take
+        ``LIBRARY_DEFAULTS``, in place."""
+        for k, v in LIBRARY_DEFAULTS.items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+
         def bad(field, why):
             raise SamplingParamsError(f"{field}={getattr(self, field)!r}: {why}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):

@@ -6,9 +6,14 @@ import os
 from tbjax.tokenizer import TextTokenizer
 from tbjax.weights.assemble import WeightLoadError
 
-_TOKENIZER_GGUF_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+# GGUF metadata a converted checkpoint keeps beside its weights: the tokenizer's and the sampling defaults
+_TOKENIZER_GGUF_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                         "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                        "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+                        "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                        "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                        "tokenizer.ggml.add_bos_token", "tokenizer.chat_template",
+                        "general.sampling.temp", "general.sampling.top_p", "general.sampling.top_k",
+                        "general.sampling.min_p")
 
 
 def _resolve(path: str | None) -> tuple[str, str]:
@@ -104,10 +109,18 @@ def convert(src: str | None, dst: str, dtype=None, progress: bool = True):
     checkpoint.save(dst, spec, params, meta)
     if meta is None:
         import shutil
-        for f in ("tokenizer.json", "tokenizer_config.json"):
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                  "generation_config.json"):
             if os.path.isfile(os.path.join(src, f)):
                 shutil.copy(os.path.join(src, f), os.path.join(dst, f))
     return dst
 
 
-__all__ = ["load_model", "convert", "WeightLoadError"]
+def load_generation_defaults(path: str | None = None, source="auto"):
+    """The model's sampling defaults (``tbjax.weights.generation_config``): ``source`` "auto" (generation_config.json,
+    GGUF sampling metadata, the default model's card), "none" or a generation_config.json path."""
+    from tbjax.weights.generation_config import load_generation_defaults as load
+    return load(path, source)
+
+
+__all__ = ["load_model", "load_model_info", "load_generation_defaults", "convert", "WeightLoadError"]

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from tbjax import compile_cache
 from tbjax.engine.engine import Engine, EngineConfig
 from tbjax.sampling import SamplingParams
+from tbjax.tokenizer import StopStrings
 
 
 @dataclasses.dataclass
@@ -120,10 +121,13 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         rids = [f"llm-{next(self._ids)}" for _ in prompts]
         results = {r: Completion(i, "", [], None, [] if p.logprobs else None) for r, i, p in zip(rids, ids, plist)}
+        # stop strings are applied here, not in the engine (tbjax.tokenizer.StopStrings says why)
+        decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)   # noqa: E731
+        stops = {r: StopStrings(p.stop, decode) for r, p in zip(rids, plist) if p.stop}
         added = []
         try:
             for r, i, p in zip(rids, ids, plist):
-                self.engine.add_request(r, i, p)
+                self.engine.add_request(r, i, dataclasses.replace(p, stop=()) if r in stops else p)
                 added.append(r)
             bar = tqdm(total=len(rids), disable=not use_tqdm, desc="generate")
             pending = set(rids)
@@ -133,14 +137,24 @@ class LLM:
                     raise RuntimeError(f"engine stopped with requests unfinished: {sorted(pending)}")
                 for o in outs:
                     c = results.get(o.request_id)
-                    if c is None:
+                    if c is None or c.finish_reason is not None:
                         continue
-                    c.token_ids.extend(o.new_token_ids)
-                    c.text += o.text_delta
-                    if c.logprobs is not None and o.logprobs:
-                        c.logprobs.extend(o.logprobs)
-                    if o.finished:
-                        c.finish_reason = o.finish_reason
+                    new_ids, text, lps, finished, reason = (o.new_token_ids, o.text_delta, o.logprobs, o.finished,
+                                                            o.finish_reason)
+                    m = stops.get(o.request_id)
+                    if m is not None:
+                        new_ids, text, hit = m.feed(new_ids, text, final=finished)
+                        if hit:
+                            lps = (lps or [])[:len(new_ids)]
+                            if not finished:
+                                self.engine.abort(o.request_id)
+                            finished, reason = True, "stop"
+                    c.token_ids.extend(new_ids)
+                    c.text += text
+                    if c.logprobs is not None and lps:
+                        c.logprobs.extend(lps)
+                    if finished:
+                        c.finish_reason = reason
                         pending.discard(o.request_id)
                         bar.update(1)
             bar.close()

@@ -305,3 +305,63 @@ def _is_byte_level(tk: Tokenizer) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return "ByteLevel" in json.dumps(decoder)
+
+
+class StopStrings:
+    """Stop strings applied to a generation's text above the engine (the LLM API and the servers give the engine
+    none): the engine's text deltas go in, what may be handed out comes back. Text that could be the start of a stop
+    string is held back until it is not (or the generation ends), so a stream never shows text that a stop string
+    then takes back; a stop string found ends the generation there: its text and what follows are dropped, and
+    only the tokens up to the one that completed it are kept (the caller then aborts the request in the engine).
+
+    Why not the engine's own ``SamplingParams.stop``: a stop string that spans two steps makes the engine send the
+    text before it again as one more delta (tbjax/engine/engine.py ``_emit``), and text it already sent is not held
+    back. ``decode(ids)``: the output's text as the engine decodes it (special tokens skipped), used only to find the
+    token that completed a stop string."""
+
+    def __init__(self, stops: Iterable[str], decode):
+        self.stops = [s for s in stops if s]
+        self.decode = decode
+        self.text = ""          # the engine's text so far
+        self.sent = 0           # characters of it handed out
+        self.ids: list[int] = []
+        self.stopped = False
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that is a proper start of a stop string."""
+        t = self.text
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(t) - self.sent), best, -1):
+                if t.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def feed(self, new_ids: Sequence[int], text_delta: str, final: bool = False) -> tuple[list[int], str, bool]:
+        """(token ids to hand out, text to hand out, stopped): ``final`` when the engine finished the request."""
+        if self.stopped:
+            return [], "", True
+        n_before, before = len(self.ids), len(self.text)
+        self.ids.extend(int(t) for t in new_ids)
+        self.text += text_delta
+        hit = None
+        for s in self.stops:
+            i = self.text.find(s, max(self.sent, before - len(s) + 1))
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, i + len(s))
+        if hit is not None:
+            k = len(self.ids)
+            for j in range(n_before + 1, len(self.ids) + 1):   # the first token whose text completes the stop string
+                if len(self.decode(self.ids[:j])) >= hit[1]:
+                    k = j
+                    break
+            out = self.text[self.sent:hit[0]]
+            kept = self.ids[n_before:k]
+            del self.ids[k:]
+            self.text, self.sent, self.stopped = self.text[:hit[0]], hit[0], True
+            return kept, out, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self._held())
+        out = self.text[self.sent:end]
+        self.sent = end
+        return list(new_ids), out, False

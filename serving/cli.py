@@ -1,7 +1,9 @@
-"""`python -m tbjax.serve`: load a model, serve it over gRPC, drain and stop on SIGINT/SIGTERM.
+"""`python -m tbjax.serve`: load a model, serve it over gRPC and OpenAI-compatible HTTP, drain and stop on SIGINT/SIGTERM.
 
-With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:50051 with metrics on
-127.0.0.1:9464; any other address only through an explicit ``--host`` / ``--metrics-host``. Start-up: it loads
+With no arguments it serves the default model (SmolLM2-135M-Instruct) over gRPC on 127.0.0.1:50051, the OpenAI API on
+http://127.0.0.1:8000/v1 (``--http-port``; 0 turns it off) with metrics on 127.0.0.1:9464; any other address only
+through an explicit ``--host`` (binds both) / ``--metrics-host``. Sampling defaults come from the model
+(``--generation-config``); a request's explicit values win. Start-up: it loads
 the model, listens (gRPC health NOT_SERVING, Generate refused with UNAVAILABLE "warming up ..."), compiles every
 program the engine can run (``--no-warmup`` skips that), then turns health SERVING and prints one line on stdout
 saying where it serves; after that no request should compile anything (``tbjax_xla_compiles_total``). The first
@@ -28,6 +30,8 @@ log = logging.getLogger("tbjax.serve")
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_PORT = 8000
+HTTP_ROLES = ("colocated", "router", "split")   # the public API; prefill / decode workers serve none
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct); "
                          "'synthetic': SmolLM2-135M's shapes with random weights (benchmarks without the file)")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: from the model path)")
+    ap.add_argument("--generation-config", default="auto",
+                    help="sampling defaults: auto (the model's generation_config.json, GGUF sampling metadata, or for "
+                         "the default model its card's temperature 0.2 / top_p 0.9), none (temperature 1, no filters) "
+                         "or a generation_config.json path; a request's explicit values always win")
     ap.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router", "split"],
                     help="colocated: one engine does prefill and decode; prefill / decode: a worker of disaggregated "
                          "serving; router: the public API in front of --prefill-workers and --decode-workers; split: "
@@ -62,8 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--worker-timeout", type=float, default=60.0,
                     help="router / prefill: seconds to wait for a worker's next message")
     net = ap.add_argument_group("network")
-    net.add_argument("--host", default="127.0.0.1", help="gRPC listen address (loopback unless you say otherwise)")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="gRPC and HTTP listen address (loopback unless you say otherwise)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free port)")
+    net.add_argument("--http-port", type=int, default=None,
+                     help=f"OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                          f"/metrics); 0 turns it off; default {DEFAULT_HTTP_PORT}, or any free port when --port is 0; "
+                          f"roles {', '.join(HTTP_ROLES)} only")
     net.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics listen address")
     net.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                      help="Prometheus port (0: any free port, -1: no metrics endpoint)")
@@ -126,11 +139,12 @@ def _engine_kw(a: argparse.Namespace) -> dict:
     return kw
 
 
-def _child_engine(path, engine_kw: dict, warmup: bool = False):
+def _child_engine(path, engine_kw: dict, warmup: bool = False, generation_config="auto"):
     """Runs in the engine process (serving/engine_proc.py): load the model, build its engine (the child's loop warms
-    it up next, reporting its progress to the server; ``warmup`` is kept for old pickles and ignored)."""
+    it up next, reporting its progress to the server; ``warmup`` is kept for old pickles and ignored). The
+    generation config's eos ids end generations there too (the server process fills the sampling defaults)."""
     import tbjax
-    llm = tbjax.LLM(path, progress=False, warmup=False, **engine_kw)
+    llm = tbjax.LLM(path, progress=False, warmup=False, generation_config=generation_config, **engine_kw)
     return llm.engine
 
 
@@ -139,7 +153,6 @@ def engine_process_model(a: argparse.Namespace):
     that builds the engine in the child). This process reads only the model's spec and tokenizer."""
     import functools
 
-    from tbjax.sampling import SamplingParams
     from tbjax.weights import load_model_info
 
     if a.fake_engine:
@@ -151,13 +164,22 @@ def engine_process_model(a: argparse.Namespace):
         model.engine = None
         return model, functools.partial(FakeEngine, step_time_s=a.fake_step_time, warmup_s=a.fake_warmup_time, **kw)
     spec, tok = load_model_info(a.model)
+    defaults = _generation_defaults(a)
+    tok.add_eos_token_ids(defaults.eos_token_ids)
     kw = _engine_kw(a)
     ctx = min(kw.get("max_model_len") or spec.max_position, spec.max_position)
     model = ServedModel(name=a.served_model_name or model_name_for_path(a.model), arch=spec.arch, tokenizer=tok,
                         vocab_size=spec.vocab_size, max_context=ctx,
                         eos_token_ids=tuple(getattr(tok, "eos_token_ids", ()) or spec.eos_token_ids),
-                        make_params=SamplingParams, engine=None)
-    return model, functools.partial(_child_engine, a.model, kw)
+                        make_params=defaults.make_params, engine=None, generation_defaults=defaults)
+    return model, functools.partial(_child_engine, a.model, kw, generation_config=defaults)
+
+
+def _generation_defaults(a: argparse.Namespace):
+    """The served model's sampling defaults (--generation-config); GenerationConfigError (a ValueError) when the file
+    is bad."""
+    from tbjax.weights import load_generation_defaults
+    return load_generation_defaults(None if a.model in (None, "synthetic") else a.model, a.generation_config)
 
 
 def load_served_model(a: argparse.Namespace) -> ServedModel:
@@ -180,6 +202,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
             return tuple(synthetic_served_model(device=dev, **engine_kw) for dev in split_devices())
         return synthetic_served_model(**engine_kw)
     name = a.served_model_name or model_name_for_path(a.model)
+    engine_kw["generation_config"] = _generation_defaults(a)
     if a.role == "split":
         return tuple(ServedModel.from_llm(_llm_on(tbjax, a.model, dev, engine_kw), name=name)
                      for dev in split_devices())
@@ -217,7 +240,10 @@ def _pipeline_models_on(a, engine_kw, devs, pipe_devs):
     pre = pipeline_served_model(spec, params, tok, pipe_devs, name=name, **engine_kw)
     if a.role != "split":
         return pre
-    return pre, ServedModel.from_llm(_llm_on(tbjax, a.model, devs[a.pp], engine_kw), name=name)
+    defaults = _generation_defaults(a)
+    pre.make_params, pre.generation_defaults = defaults.make_params, defaults   # the router validates with it
+    return pre, ServedModel.from_llm(_llm_on(tbjax, a.model, devs[a.pp], {**engine_kw, "generation_config": defaults}),
+                                     name=name)
 
 
 def split_devices():
@@ -233,6 +259,16 @@ def _llm_on(tbjax, path, device, engine_kw):
     import jax
     with jax.default_device(device):   # weights and KV pools of this engine live on `device`
         return tbjax.LLM(path, progress=False, warmup=False, **engine_kw)
+
+
+def http_port(a: argparse.Namespace) -> int | None:
+    """The HTTP port to listen on (0: any free port), or None for no HTTP API: --http-port 0 turns it off; unset, it is
+    DEFAULT_HTTP_PORT, or any free port when the gRPC port is (--port 0); prefill / decode workers serve none."""
+    if a.role not in HTTP_ROLES:
+        return None
+    if a.http_port is None:
+        return 0 if a.port == 0 else DEFAULT_HTTP_PORT
+    return None if a.http_port == 0 else a.http_port
 
 
 def _warmup(model: ServedModel, progress: bool = False) -> float:
@@ -293,7 +329,8 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                     decode_workers=[w for w in a.decode_workers.split(",") if w],
                     kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
                     kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier, kv_ipc_bytes=a.kv_ipc_mb << 20,
-                    engine_factory=engine_factory, warmup=a.warmup and a.role != "router", warmup_progress=True)
+                    engine_factory=engine_factory, warmup=a.warmup and a.role != "router", warmup_progress=True,
+                    http_port=http_port(a), http_host=a.host)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -312,6 +349,8 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
     warming = a.warmup and a.role != "router"
     metrics = (f", metrics on http://{a.metrics_host}:{server.bound_metrics_port}/metrics"
                if server.bound_metrics_port is not None else "")
+    if server.http_url is not None:
+        metrics += f", OpenAI HTTP on {server.http_url}/v1"
     print(f"tbjax: listening on {server.address}{metrics}; health NOT_SERVING until "
           f"{'the engine is warmed up' if warming else 'the engine is ready'}", file=sys.stderr, flush=True)
 
@@ -388,6 +427,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"tbjax: bad limits: {e}", file=sys.stderr)
         return 2
+    if a.http_port is not None and not 0 <= a.http_port <= 65535:
+        ap.error(f"--http-port must be in 0..65535 (0: no HTTP API), got {a.http_port}")
+    if a.http_port and a.role not in HTTP_ROLES:
+        ap.error(f"--http-port: --role {a.role} serves no HTTP API (only {', '.join(HTTP_ROLES)})")
+    if a.generation_config not in ("auto", "none") and not a.fake_engine:
+        from tbjax.weights.generation_config import GenerationConfigError, read_generation_config
+        try:
+            read_generation_config(a.generation_config)
+        except GenerationConfigError as e:
+            print(f"tbjax: --generation-config: {e}", file=sys.stderr)
+            return 2
     if a.engine_process and (a.role != "colocated" or a.pp > 1):
         ap.error(f"--engine-process is for the colocated role (got --role {a.role}"
                  f"{', --pp ' + str(a.pp) if a.pp > 1 else ''})")

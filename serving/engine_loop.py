@@ -172,6 +172,14 @@ class EngineLoop:
             raise EngineStopped("the engine loop is stopped")
         self._inbox.put(("add", request_id, prompt_token_ids, params, stream, adder))
 
+    def submit_many(self, requests: list[tuple[str, list[int], Any, RequestStream]]) -> None:
+        """Queue several requests ``(request_id, prompt_token_ids, params, stream)`` as one command, so that the engine
+        takes them in the same step (e.g. the n completions of one prompt, whose prompt pages the prefix cache then
+        shares)."""
+        if self._stopped.is_set():
+            raise EngineStopped("the engine loop is stopped")
+        self._inbox.put(("group", [("add", rid, ids, params, stream, None) for rid, ids, params, stream in requests]))
+
     def abort(self, request_id: str) -> None:
         """Abort a request (frees its KV pages); unknown or finished ids are ignored."""
         self._inbox.put(("abort", request_id))
@@ -290,9 +298,10 @@ class EngineLoop:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if cmd[0] == "add":
-                    out[cmd[4].loop].append((cmd[4], EngineStopped("the engine loop is stopped")))
-                elif cmd[0] == "call":
+                for c in (cmd[1] if cmd[0] == "group" else [cmd]):
+                    if c[0] == "add":
+                        out[c[4].loop].append((c[4], EngineStopped("the engine loop is stopped")))
+                if cmd[0] == "call":
                     cmd[2].set_exception(EngineStopped("the engine loop is stopped"))
             self._flush(out)
             self._refresh_stats()
@@ -314,6 +323,9 @@ class EngineLoop:
                 return
             self._streams[rid] = stream
             out[stream.loop].append((stream, Admitted(time.perf_counter())))
+        elif kind == "group":
+            for c in cmd[1]:
+                self._handle(c, out)
         elif kind == "abort":
             rid = cmd[1]
             self._streams.pop(rid, None)

@@ -172,6 +172,12 @@ class FakeEngine:
         self._req[request_id] = [params, codecs.getincrementaldecoder("utf-8")(errors="replace"), "", 0]
         self.num_added += 1
 
+    def prompt_logprobs(self, token_ids: list[int], k: int) -> list:
+        """Toy prompt logprobs (serving/prompt_logprobs.py asks the engine first): None for the first token, then
+        each token at -0.5 with the next k - 1 ids after it at -1 - j, as the fake's generated logprobs."""
+        return [None] + [(-0.5, ([(t, -0.5)] + [((t + j) % VOCAB, -1.0 - j) for j in range(1, k)])[:k])
+                         for t in token_ids[1:]]
+
     def abort(self, request_id: str) -> None:
         if self._req.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)

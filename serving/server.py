@@ -19,10 +19,12 @@ throughout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,9 +36,11 @@ from .limits import Limits, RequestError, build_params, check_generate, check_to
 from .metrics import ServerMetrics
 from .model import ServedModel
 
-__all__ = ["TbjaxServicer", "Server", "ServerThread", "new_event_loop"]
+__all__ = ["TbjaxServicer", "Server", "ServerThread", "new_event_loop", "Chunk", "StreamFailed", "Slot"]
 
 log = logging.getLogger(__name__)
+# one INFO line per finished request (id, protocol, prompt / output tokens, TTFT, duration, finish reason or outcome)
+request_log = logging.getLogger("tbjax.requests")
 
 
 def _top_msgs(top) -> list:
@@ -59,8 +63,72 @@ def _logprobs_msgs(token_ids: list[int], lps) -> list:
     return msgs
 
 
+@dataclass
+class Chunk:
+    """What one request's stream hands its front end at a time: new tokens (merged when the front end fell behind),
+    their text and logprobs; the last one has ``finished`` and ``finish_reason``."""
+
+    token_ids: list
+    text: str
+    logprobs: list
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class StreamFailed(Exception):
+    """A request failed after it was accepted (engine refusal, crash, shutdown); ``code`` is the gRPC status that
+    says so (front ends map it to theirs)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def take_stops(params) -> list[str]:
+    """Take the stop strings out of ``params`` (the engine gets none): the front end applies them to the text it
+    streams (``tbjax.tokenizer.StopStrings``: held back while they may still match, never sent then taken back)."""
+    stops = list(getattr(params, "stop", None) or ())
+    if stops:
+        params.stop = []
+    return stops
+
+
+class Slot:
+    """One accepted request's place in the server's admission counters (in flight; queued until its first token).
+    ``release()`` gives it back once, counting the request under ``outcome``."""
+
+    __slots__ = ("servicer", "queued", "outcome", "released")
+
+    def __init__(self, servicer: "TbjaxServicer"):
+        self.servicer = servicer
+        self.queued = True
+        self.outcome = "cancelled"
+        self.released = False
+
+    def dequeue(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.servicer.num_queued -= 1
+            self.servicer._set_gauges()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        sv = self.servicer
+        if self.queued:
+            self.queued = False
+            sv.num_queued -= 1
+        sv.num_inflight -= 1
+        sv._set_gauges()
+        sv.metrics.requests.labels(outcome=self.outcome).inc()
+
+
 class TbjaxServicer:
-    """Implements tbjax.v1.Tbjax over an ``EngineLoop``. Runs on the server's asyncio loop only."""
+    """Implements tbjax.v1.Tbjax over an ``EngineLoop``. Runs on the server's asyncio loop only. Its admission
+    (``admit``) and request streams (``stream``) are shared with the HTTP front end (serving/http_api.py), so that
+    both count against the same limits and metrics."""
 
     def __init__(self, model: ServedModel, engine_loop: EngineLoop, limits: Limits, metrics: ServerMetrics,
                  role: str = "colocated"):
@@ -89,66 +157,64 @@ class TbjaxServicer:
         self.metrics.inflight.set(self.num_inflight)
         self.metrics.queued.set(self.num_queued)
 
-    # -- RPCs ----------------------------------------------------------------------------------------------
-    async def Generate(self, request, context):
-        t_arrival = time.perf_counter()
-        if isinstance(request, Undecodable):
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"cannot parse {request.type_name}: {request.reason}")
-        if not self.ready:   # still compiling: say so at once rather than queue behind the warm-up
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, self._startup_message())
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
+    # -- shared by the front ends --------------------------------------------------------------------------
+    def admit(self, n: int = 1) -> list[Slot]:
+        """Take ``n`` places (in flight and queued) for requests, or raise ``RequestError(RESOURCE_EXHAUSTED)``
+        naming the limit (nothing taken then)."""
         lim = self.limits
-        if self.num_inflight >= lim.max_concurrent_requests:
-            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+        if self.num_inflight + n > lim.max_concurrent_requests:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server busy: {self.num_inflight} requests in flight (limit "
-                               f"{lim.max_concurrent_requests}); retry later")
-        if self.num_queued >= lim.max_queued_requests:
-            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{lim.max_concurrent_requests}{f', this one needs {n}' if n > 1 else ''}); "
+                               "retry later")
+        if self.num_queued + n > lim.max_queued_requests:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full: {self.num_queued} requests waiting for their first token (limit "
-                               f"{lim.max_queued_requests}); retry later")
-        self.num_inflight += 1
-        self.num_queued += 1
+                               f"{lim.max_queued_requests}{f', this one needs {n}' if n > 1 else ''}); retry later")
+        self.num_inflight += n
+        self.num_queued += n
         self._set_gauges()
-        queued, rid, submitted, finished, outcome = True, None, False, False, "cancelled"
+        return [Slot(self) for _ in range(n)]
+
+    def submit(self, slot: Slot, rid: str, prompt_ids: list[int], params) -> RequestStream:
+        """Hand an admitted, validated request to the engine; returns its stream (for ``stream``). Raises
+        RequestError (ALREADY_EXISTS for an id in flight, UNAVAILABLE when the engine has stopped)."""
+        if rid in self._active:
+            slot.outcome = "rejected"
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        stream = RequestStream(asyncio.get_running_loop(), rid)
         try:
-            m = self.model
-            try:
-                kw = dict(model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
-                          max_context=m.max_context, limits=lim)
-                if request.WhichOneof("input") == "prompt_token_ids" and len(request.prompt_token_ids.ids) <= 4096:
-                    checked = check_generate(request, **kw)   # ~0.15 ms for 1k ids: cheaper than a thread hop
-                else:   # tokenizing / chat templates can take milliseconds: off the loop
-                    checked = await asyncio.to_thread(check_generate, request, **kw)
-                params = build_params(m.make_params, checked.params, m.vocab_size)
-            except RequestError as e:
-                outcome = "rejected"
-                await self._reject(context, e.code, e.message)
-            rid = request.request_id or uuid.uuid4().hex
-            if rid in self._active:
-                outcome, rid_taken, rid = "rejected", rid, None
-                await self._reject(context, grpc.StatusCode.ALREADY_EXISTS,
-                                   f"request id {rid_taken!r} is already in flight")
-            t_validated = time.perf_counter()
-            self.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)
-            n_prompt = len(checked.prompt_token_ids)
-            stream = RequestStream(asyncio.get_running_loop(), rid)
-            try:
-                self.engine_loop.submit(rid, checked.prompt_token_ids, params, stream)
-            except EngineStopped as e:
-                outcome = "unavailable"
-                await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            self._active[rid] = stream
-            submitted = True
-            t_admit = t_validated
-            t_first = t_last = None
-            n_out = 0
+            self.engine_loop.submit(rid, prompt_ids, params, stream)
+        except EngineStopped as e:
+            slot.outcome = "unavailable"
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        self._active[rid] = stream
+        return stream
+
+    async def stream(self, slot: Slot, stream: RequestStream, n_prompt: int, t_arrival: float, t_validated: float,
+                     protocol: str = "grpc", stops=()):
+        """The chunks of a submitted request (async generator; close it, e.g. with ``contextlib.aclosing``, when
+        the caller stops early: that aborts the request in the engine and frees its KV pages). Raises
+        ``StreamFailed`` when the engine refuses or fails it. ``stops``: the request's stop strings (``take_stops``),
+        applied here; one found ends the request (and aborts it in the engine). Times and counts it in the metrics,
+        and logs one INFO line when it ends."""
+        rid = stream.request_id
+        finished = False          # the engine does not hold the request any more (or we stopped it)
+        engine_done = False
+        matcher = None
+        if stops:
+            from tbjax.tokenizer import StopStrings
+            tok = self.model.tokenizer
+            matcher = StopStrings(stops, lambda ids: tok.decode(ids, skip_special_tokens=True))
+        t_admit = t_validated
+        t_first = t_last = None
+        n_out = 0
+        reason = None
+        try:
             while True:
                 batch = await stream.get_all()
-                new_ids, text, lps, reason, error = [], [], [], None, None
-                for item in batch:    # Admitted / outputs (merged into one message) / an exception
+                new_ids, text, lps, error = [], [], [], None
+                for item in batch:    # Admitted / outputs (merged into one chunk) / an exception
                     if isinstance(item, Admitted):
                         t_admit = item.time
                         self.metrics.phase.labels(phase="queue").observe(t_admit - t_validated)
@@ -166,6 +232,13 @@ class TbjaxServicer:
                             break
                 if error is not None:
                     finished = True   # the engine does not hold the request any more
+                engine_done = finished
+                if matcher is not None and error is None and (new_ids or finished):
+                    kept, out, hit = matcher.feed(new_ids, "".join(text), final=finished)
+                    if hit:
+                        lps = lps[:len(kept)]
+                        finished, reason = True, "stop"
+                    new_ids, text = kept, [out]
                 now = time.perf_counter()
                 if new_ids:
                     if t_first is None:
@@ -177,50 +250,97 @@ class TbjaxServicer:
                     t_last = now
                     n_out += len(new_ids)
                     self.metrics.output_tokens.inc(len(new_ids))
-                if queued and (new_ids or finished):
-                    queued = False
-                    self.num_queued -= 1
-                    self._set_gauges()
+                if new_ids or finished:
+                    slot.dequeue()
+                if finished and error is None:
+                    slot.outcome = reason
+                    self.metrics.e2e.observe(now - t_arrival)
+                    if t_first is not None:
+                        self.metrics.phase.labels(phase="decode").observe(now - t_first)
+                        if n_out > 1:
+                            self.metrics.tpot.observe((t_last - t_first) / (n_out - 1))
                 if new_ids or (finished and error is None):
-                    resp = pb.GenerateResponse(request_id=rid, token_ids=new_ids, text="".join(text))
-                    if lps:
-                        resp.logprobs.extend(_logprobs_msgs(new_ids, lps))
-                    if finished and error is None:
-                        resp.finish_reason = FINISH_REASONS.get(reason, pb.FINISH_REASON_ABORT)
-                        resp.usage.prompt_tokens = n_prompt
-                        resp.usage.completion_tokens = n_out
-                        outcome = reason
-                        self.metrics.e2e.observe(now - t_arrival)
-                        if t_first is not None:
-                            self.metrics.phase.labels(phase="decode").observe(now - t_first)
-                            if n_out > 1:
-                                self.metrics.tpot.observe((t_last - t_first) / (n_out - 1))
-                    yield resp
+                    yield Chunk(new_ids, "".join(text), lps, finished and error is None,
+                                reason if error is None else None)
                 if error is not None:
                     if isinstance(getattr(error, "code", None), grpc.StatusCode):   # a worker's status (router)
                         code = error.code
-                        outcome = "unavailable" if code == grpc.StatusCode.UNAVAILABLE else "error"
+                        slot.outcome = "unavailable" if code == grpc.StatusCode.UNAVAILABLE else "error"
                     elif isinstance(error, EngineStopped):
-                        outcome, code = "unavailable", grpc.StatusCode.UNAVAILABLE
+                        slot.outcome, code = "unavailable", grpc.StatusCode.UNAVAILABLE
                     elif isinstance(error, EngineFailed):
-                        outcome, code = "error", grpc.StatusCode.INTERNAL
+                        slot.outcome, code = "error", grpc.StatusCode.INTERNAL
                     elif isinstance(error, ValueError):   # refused by the engine (e.g. RequestTooLarge)
-                        outcome, code = "rejected", grpc.StatusCode.INVALID_ARGUMENT
+                        slot.outcome, code = "rejected", grpc.StatusCode.INVALID_ARGUMENT
                     else:
-                        outcome, code = "error", grpc.StatusCode.INTERNAL
-                    await self._reject(context, code, str(error) or type(error).__name__)
+                        slot.outcome, code = "error", grpc.StatusCode.INTERNAL
+                    raise StreamFailed(code, str(error) or type(error).__name__)
                 if finished:
                     return
         finally:
-            if submitted and not finished:
-                self.engine_loop.abort(rid)   # client gone / deadline / drain: free its pages now
-            if rid is not None and submitted:
-                self._active.pop(rid, None)
-            if queued:
-                self.num_queued -= 1
-            self.num_inflight -= 1
-            self._set_gauges()
-            self.metrics.requests.labels(outcome=outcome).inc()
+            if not engine_done:
+                self.engine_loop.abort(rid)   # client gone / deadline / drain / stop string: free its pages now
+            self._active.pop(rid, None)
+            now = time.perf_counter()
+            request_log.info("request %s (%s): %d prompt + %d output tokens, ttft %s, %.3f s, finish %s", rid,
+                             protocol, n_prompt, n_out, "-" if t_first is None else f"{t_first - t_arrival:.3f} s",
+                             now - t_arrival, reason if finished and reason else slot.outcome)
+
+    # -- RPCs ----------------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        t_arrival = time.perf_counter()
+        if isinstance(request, Undecodable):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"cannot parse {request.type_name}: {request.reason}")
+        if not self.ready:   # still compiling: say so at once rather than queue behind the warm-up
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, self._startup_message())
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
+        try:
+            slot, = self.admit()
+        except RequestError as e:
+            await self._reject(context, e.code, e.message)
+        try:
+            m = self.model
+            try:
+                kw = dict(model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
+                          max_context=m.max_context, limits=self.limits)
+                if request.WhichOneof("input") == "prompt_token_ids" and len(request.prompt_token_ids.ids) <= 4096:
+                    checked = check_generate(request, **kw)   # ~0.15 ms for 1k ids: cheaper than a thread hop
+                else:   # tokenizing / chat templates can take milliseconds: off the loop
+                    checked = await asyncio.to_thread(check_generate, request, **kw)
+                params = build_params(m.make_params, checked.params, m.vocab_size)
+            except RequestError as e:
+                slot.outcome = "rejected"
+                await self._reject(context, e.code, e.message)
+            rid = request.request_id or uuid.uuid4().hex
+            t_validated = time.perf_counter()
+            self.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)
+            n_prompt = len(checked.prompt_token_ids)
+            stops = take_stops(params)
+            try:
+                stream = self.submit(slot, rid, checked.prompt_token_ids, params)
+            except RequestError as e:
+                await self._reject(context, e.code, e.message)
+            n_out = 0
+            async with contextlib.aclosing(self.stream(slot, stream, n_prompt, t_arrival, t_validated,
+                                                       stops=stops)) as chunks:
+                try:
+                    async for ch in chunks:
+                        n_out += len(ch.token_ids)
+                        resp = pb.GenerateResponse(request_id=rid, token_ids=ch.token_ids, text=ch.text)
+                        if ch.logprobs:
+                            resp.logprobs.extend(_logprobs_msgs(ch.token_ids, ch.logprobs))
+                        if ch.finished:
+                            resp.finish_reason = FINISH_REASONS.get(ch.finish_reason, pb.FINISH_REASON_ABORT)
+                            resp.usage.prompt_tokens = n_prompt
+                            resp.usage.completion_tokens = n_out
+                        yield resp
+                except StreamFailed as e:
+                    await self._reject(context, e.code, e.message)
+        finally:
+            slot.release()
 
     async def Tokenize(self, request, context):
         if isinstance(request, Undecodable):
@@ -298,7 +418,8 @@ class Server:
                  prefill_workers: list[str] | None = None, decode_workers: list[str] | None = None,
                  kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0,
                  kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto", kv_ipc_bytes: int = 256 << 20,
-                 engine_factory=None, warmup: bool = False, warmup_progress: bool = False):
+                 engine_factory=None, warmup: bool = False, warmup_progress: bool = False,
+                 http_port: int | None = None, http_host: str | None = None):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         if engine_factory is not None and role != "colocated":
@@ -337,6 +458,10 @@ class Server:
         self.bound_port: int | None = None
         self.bound_metrics_port: int | None = None
         self.warmup_info: dict | None = None
+        # the OpenAI-compatible HTTP API (serving/http_api.py) on this loop and engine loop; None: off
+        self.http_host, self.http_port = http_host or host, http_port
+        self.http = None
+        self.bound_http_port: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -347,6 +472,14 @@ class Server:
     def address(self) -> str:
         h = f"[{self.host}]" if ":" in self.host else self.host
         return f"{h}:{self.bound_port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """http://host:port of the OpenAI-compatible API (its routes are under /v1), or None when it is off."""
+        if self.bound_http_port is None:
+            return None
+        h = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
+        return f"http://{h}:{self.bound_http_port}"
 
     async def start(self) -> int:
         """``listen()``, then ``wait_ready()``: returns the port once the server serves."""
@@ -388,6 +521,17 @@ class Server:
         await server.start()
         self._server = server
         self.bound_port = port
+        if self.http_port is not None:
+            from .http_api import HTTPFrontend
+            self.http = HTTPFrontend(self)
+            try:
+                self.bound_http_port = await self.http.start(self.http_host, self.http_port)
+            except OSError:
+                self.http = None
+                await server.stop(0)
+                self._server = None
+                await asyncio.to_thread(self.engine_loop.stop)
+                raise
         if self.metrics_port is not None:
             self.bound_metrics_port = self.metrics.start_http(self.metrics_host, self.metrics_port)
         return port
@@ -422,13 +566,19 @@ class Server:
         if self._server is None:
             return
         if self._stopping:
+            if self.http is not None and not grace:
+                self.http.force_stop()
             await self._server.stop(grace)
             return
         self._stopping = True
         self.metrics.ready.set(0)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._server.stop(grace)
+        if self.http is not None:   # HTTP and gRPC drain side by side (new HTTP requests get 503 meanwhile)
+            await asyncio.gather(self._server.stop(grace), self.http.stop(grace))
+            self.http = None
+        else:
+            await self._server.stop(grace)
         if self.pd_service is not None:
             await (self.pd_service.stop() if self.role == "decode" else self.pd_service.close())
         if self.role == "router":

@@ -1,0 +1,93 @@
+"""Prompt logprobs (what ``echo`` with ``logprobs`` returns, e.g. for lm-eval's loglikelihood tasks).
+
+The engine computes logprobs only for the tokens it samples. The logprob of each *prompt* token given the tokens
+before it comes from one whole-sequence forward without a KV cache (``tbjax.model.forward_dense``) over the
+engine's own parameters, run on the engine's thread (or in its process) between two steps (``EngineLoop.call``):
+the prompt, padded at the end to a power-of-two bucket of at least 16 tokens (causal attention: padding changes
+no earlier logit), so that one program per bucket is compiled, on first use. That compile happens after the
+warm-up, and it and the forward stall the engine's batch meanwhile; the forward's logits take prompt x vocabulary
+x 4 bytes of device memory.
+
+An engine with a ``prompt_logprobs(token_ids, k)`` method (the test double, serving/fake_engine.py) answers for
+itself. An engine whose parameters ``forward_dense`` cannot take (a decode mesh with packed attention weights,
+per-layer buffers) raises ``PromptLogprobsUnavailable`` naming why; the HTTP front end answers 400 with it.
+"""
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["prompt_logprobs", "PromptLogprobsUnavailable", "TOP_K", "bucket"]
+
+TOP_K = 20        # top logprobs computed per position (requests ask for up to Limits.max_logprobs <= 20)
+MIN_BUCKET = 16
+
+_fns: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class PromptLogprobsUnavailable(ValueError):
+    """This engine cannot compute prompt logprobs (the message says why)."""
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    b = MIN_BUCKET
+    while b < n:
+        b *= 2
+    return b if cap is None else max(n, min(b, cap))
+
+
+def _forward_fn(engine):
+    fn = _fns.get(engine)
+    if fn is not None:
+        return fn
+    import jax
+    import jax.numpy as jnp
+
+    from tbjax.model import forward_dense
+
+    spec = engine.spec
+
+    @jax.jit
+    def f(params, tokens_T):
+        logits, _ = forward_dense(params, spec, tokens_T)
+        lp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)      # position t predicts token t + 1
+        tok = jnp.take_along_axis(lp, tokens_T[1:, None], axis=-1)[:, 0]
+        top_v, top_i = jax.lax.top_k(lp, TOP_K)
+        return tok, top_v, top_i
+
+    _fns[engine] = f
+    return f
+
+
+def prompt_logprobs(engine, token_ids: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per prompt token: None for the first, then (logprob of the token given the ones before it, the ``k`` most
+    likely tokens there as [(id, logprob)]). Runs on the engine's thread (``EngineLoop.call``)."""
+    own = getattr(engine, "prompt_logprobs", None)
+    if callable(own):
+        return own(list(token_ids), k)
+    if not 0 <= k <= TOP_K:
+        raise ValueError(f"prompt logprobs: k must be in 0..{TOP_K}, got {k}")
+    spec = getattr(engine, "spec", None)
+    params = getattr(engine, "params", None)
+    if spec is None or params is None:
+        raise PromptLogprobsUnavailable(f"prompt logprobs (echo with logprobs) need the model's weights; this server's "
+                                        f"engine ({type(engine).__name__}) has none")
+    import numpy as np
+
+    ids = [int(t) for t in token_ids]
+    T = len(ids)
+    if T < 2:
+        return [None] * T
+    n = bucket(T, getattr(spec, "max_position", None))
+    padded = np.zeros((n,), np.int32)
+    padded[:T] = ids
+    try:
+        tok, top_v, top_i = _forward_fn(engine)(params, padded)
+    except Exception as e:  # noqa: BLE001 - a parameter layout forward_dense does not take
+        raise PromptLogprobsUnavailable(f"prompt logprobs (echo with logprobs) are not available with this engine's "
+                                        f"parameter layout (a whole-sequence forward over them failed: "
+                                        f"{type(e).__name__}: {str(e)[:200]})") from None
+    tok, top_v, top_i = np.asarray(tok), np.asarray(top_v), np.asarray(top_i)
+    out: list = [None]
+    for t in range(T - 1):
+        out.append((float(tok[t]), [(int(a), float(b)) for a, b in zip(top_i[t, :k], top_v[t, :k])]))
+    return out

@@ -15,8 +15,14 @@ Sections (each writes its results into the JSON as soon as it finishes, so a run
               policy) at batch 8 x 8k, against bf16 in the same run; picks the fastest for `grid`.
   small       bf16 small-batch / short-context variants (block, stages, split policy).
   grid        bf16 and fp8 (the fp8var winner) over batch x context, with errors against the reference.
+  wide        the cost of padding (--wide-pages N): the same decode batch with its tight block table, with the
+              table padded to N pages per sequence, and with extra kv_len-0 slots (2 x batch, and --wide-slots),
+              plus the opt-in run-time work list (work_list=True) and the max_kv_len hint; bf16 and fp8; and the
+              ragged kernel's share of an engine step (a decode-only step: every slot at kv_len 0; a mixed step:
+              prefill chunks + decode rows at kv_len 0), next to the same prefill with a tight table.
 
 Usage: python3 benchmarks/bench_paged_attention.py --out results.json   (on the H200)
+       python3 benchmarks/bench_paged_attention.py --wide-pages 8192 --out wide.json   (the padding cost only)
        python3 benchmarks/bench_paged_attention.py --smoke             (CPU: tiny shapes, interpreted kernels)
 """
 from __future__ import annotations
@@ -59,8 +65,14 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels, CPU")
   ap.add_argument("--out", default="paged_attention_bench.json")
   ap.add_argument("--time-limit", type=float, default=480.0, help="skip remaining sections after this many s")
-  ap.add_argument("--sections", default="ceiling,correctness,decode,fp8,sparse,triton,tuning,prefill",
-                  help="r3 run: ceiling,correctness,fp8var,small,triton,sparse,prefill,grid")
+  ap.add_argument("--sections", default=None,
+                  help="default ceiling,correctness,decode,fp8,sparse,triton,tuning,prefill (with --wide-pages: "
+                       "ceiling,wide); r3 run: ceiling,correctness,fp8var,small,triton,sparse,prefill,grid")
+  ap.add_argument("--wide-pages", type=int, default=0,
+                  help="`wide` section: block-table width (pages per sequence) of the padded tables, e.g. 8192 = "
+                       "128k tokens at page 16; implies --sections ceiling,wide unless --sections is given")
+  ap.add_argument("--wide-slots", type=int, default=256,
+                  help="`wide` section: sequence slots of the largest padded batch (real ones + kv_len-0 ones)")
   ap.add_argument("--watchdog", type=float, default=0.0,
                   help="if > 0: exit with status 3 (results saved) when nothing progresses for this many seconds "
                        "(a hung kernel)")
@@ -75,6 +87,8 @@ def main():
                   help="final: the reduced matrices of run B; r3: run C (fp8 kernel variants, small-batch "
                        "variants, Triton/sparse/prefill, then the bf16 + fp8 grid), fits the device budget")
   args = ap.parse_args()
+  if args.sections is None:
+    args.sections = "ceiling,wide" if args.wide_pages else "ceiling,correctness,decode,fp8,sparse,triton,tuning,prefill"
   sections = args.sections.split(",")
   t_start = time.time()
   res = {"sections_done": [], "skipped": []}
@@ -114,7 +128,8 @@ def main():
   smoke = args.smoke
   impl_interp = smoke
   res["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "smoke": smoke,
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "core_count": getattr(jax.devices()[0], "core_count", None)}
   try:
     res["meta"]["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()
@@ -747,6 +762,126 @@ def main():
           save()
     done("grid")
 
+  # ---------------------------------------------------------------- wide: the cost of padded tables / slots
+  if section("wide"):
+    rows = []
+    Nw = args.wide_pages or (64 if smoke else 8192)
+    M = args.wide_slots if not smoke else 3
+    if smoke:
+      configs = [(1, 64)]
+    else:
+      configs = [(1, 8192), (8, 1024), (8, 8192), (32, 1024), (64, 8192), (128, 2048)]
+    Kw, Hw, Gw, gw = 8, 128, 16, 4
+    need = max(S * L // Gw for S, L in configs)
+    Pw = need + 64
+    base = jnp.asarray(rng.standard_normal((64, Gw, 2 * Kw, Hw)), jnp.bfloat16)
+    poolw = jax.jit(lambda b: jnp.tile(b, (Pw // 64 + 1, 1, 1, 1))[:Pw])(base)
+    poolw8 = jax.jit(lambda b: jnp.tile(jnp.clip(b.astype(jnp.float32) * 50, -440, 440).astype(jnp.float8_e4m3fn),
+                                        (Pw // 64 + 1, 1, 1, 1))[:Pw])(base)
+    scw = jnp.full((Pw, 2 * Kw), 0.02, jnp.float32)
+    permw = jnp.asarray(rng.permutation(Pw), jnp.int32)
+
+    def dec_fn(fp8, **kw):
+      if fp8:
+        return jax.jit(lambda q, kv, bt, lens, sc: gpu.paged_decode_attention_gpu(
+            q, kv, bt, lens, kv_scales_PK=sc, interpret=impl_interp, **kw))
+      return jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp,
+                                                                            **kw))
+
+    def wide_table(bt_tight, slots):
+      """The tight table's rows padded to Nw entries (extra entries: valid page ids, never read), plus kv_len-0
+      slots whose rows are random valid pages."""
+      S, Pt = bt_tight.shape
+      filler = jnp.asarray(rng.integers(0, Pw, (slots, Nw)), jnp.int32)
+      return filler.at[:S, :Pt].set(bt_tight)
+
+    for S, L in configs:
+      Pt = L // Gw
+      bt = permw[: S * Pt].reshape(S, Pt)
+      lens = jnp.full((S,), L, jnp.int32)
+      q = jnp.asarray(rng.standard_normal((S, Kw * gw, Hw)), jnp.bfloat16)
+      Mx = max(M, 2 * S)
+      variants = [("tight", S, Pt, {}), (f"P={Nw}", S, Nw, {}), (f"P={Nw} slots={2 * S}", 2 * S, Nw, {})]
+      if M > 2 * S:
+        variants.append((f"P={Nw} slots={M}", M, Nw, {}))
+      # A/B: the opt-in run-time work list (split count from the real lengths), and the static length hint
+      variants += [(f"P={Nw} slots={Mx} work_list", Mx, Nw, dict(work_list=True)),
+                   (f"P={Nw} slots={Mx} max_kv_len={L}", Mx, Nw, dict(max_kv_len=L))]
+      for fp8 in (False, True):
+        tight_ms, tight_out = None, None
+        for name, slots, width, kw in variants:
+          if over_time():
+            break
+          btv = bt if width == Pt and slots == S else wide_table(bt, slots)
+          lv = jnp.zeros((slots,), jnp.int32).at[:S].set(lens)
+          qv = jnp.zeros((slots, Kw * gw, Hw), jnp.bfloat16).at[:S].set(q)
+          args_ = (qv, poolw8, btv, lv, scw) if fp8 else (qv, poolw, btv, lv)
+          row = {"kind": "decode", "dtype": "float8_e4m3fn" if fp8 else "bfloat16", "S": S, "L": L, "g": gw,
+                 "variant": name, "slots": slots, "table_pages": width, **kw}
+          try:
+            f = dec_fn(fp8, **kw)
+            cfg = gpu.make_config(qv.shape, poolw.shape, (poolw8 if fp8 else poolw).dtype, width,
+                                  scale=1.0, soft_cap=None, sliding_window=None, out_dtype="bfloat16", **kw)
+            if getattr(cfg, "worklist", False):  # run-time chunks of the (equal-length) live sequences
+              row["splits"] = f"wl{int(gpu.decode_work_list(cfg, lv)[1][0])}"
+              row["extra_programs"] = cfg.extra
+            else:
+              row["splits"] = cfg.splits
+            row["ms"] = timeit(f, *args_)
+            row["TBps"] = kv_bytes(S, L, 1 if fp8 else 2) / (row["ms"] * 1e-3) / 1e12
+            out = f32(f(*args_))[:S]
+            if tight_ms is None:
+              tight_ms, tight_out = row["ms"], out
+            else:
+              row["over_tight"] = row["ms"] / tight_ms
+              row["max_abs_diff_vs_tight"] = float(np.max(np.abs(out - tight_out)))
+            row["pad_rows_zero"] = bool(np.all(f32(f(*args_))[S:] == 0))
+          except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:300]
+          rows.append(row)
+          print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+          res["wide"] = rows
+          save()
+
+    # The ragged kernel's share of an engine step (step_attention sends single-row sequences to decode and shows
+    # the ragged kernel those sequences at kv_len 0).
+    fr = jax.jit(lambda *a: gpu.paged_attention_gpu(*a, interpret=impl_interp))
+    n_pre, ql, ctx = (4, 512, 2048) if not smoke else (1, 32, 64)
+    mixed = []
+    for slots in sorted({n_pre + 60 if not smoke else n_pre + 3, M}):
+      n_dec = slots - n_pre
+      mixed.append((f"mixed: {n_pre} x prefill {ql} (+{ctx} cached), {n_dec} decode rows at kv_len 0, P={Nw}",
+                    n_pre, n_dec, Nw))
+      mixed.append((f"decode-only step: {slots} rows, all kv_len 0, P={Nw}", 0, slots, Nw))
+    mixed.insert(0, (f"tight: {n_pre} x prefill {ql} (+{ctx} cached)", n_pre, 0, (ql + ctx) // Gw))
+    tight_ms = None
+    for name, npre, ndec, width in mixed:
+      if over_time():
+        break
+      S = npre + ndec
+      q_lens = np.array([ql] * npre + [1] * ndec)
+      kv_lens = np.array([ql + ctx] * npre + [0] * ndec)
+      cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+      T = int(cu[-1])
+      btr = jnp.asarray(rng.integers(0, Pw, (S, width)), jnp.int32)
+      if npre:
+        btr = btr.at[:npre, : (ql + ctx) // Gw].set(permw[: npre * ((ql + ctx) // Gw)].reshape(npre, -1))
+      qT = jnp.asarray(rng.standard_normal((T, Kw * gw, Hw)), jnp.bfloat16)
+      row = {"kind": "ragged", "variant": name, "T": T, "slots": S, "table_pages": width, "g": gw}
+      try:
+        row["ms"] = timeit(fr, qT, poolw, btr, jnp.asarray(kv_lens, jnp.int32), cu)
+        if npre and tight_ms is None:
+          tight_ms = row["ms"]
+        elif npre:
+          row["over_tight"] = row["ms"] / tight_ms
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+      rows.append(row)
+      print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+      res["wide"] = rows
+      save()
+    done("wide")
+
   res["elapsed_s"] = time.time() - t_start
   save()
   print_table(res)
@@ -778,6 +913,17 @@ def print_table(res):
     print("small", r)
   for r in res.get("grid", []):
     print("grid", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+  wide = res.get("wide", [])
+  if wide:
+    print("\npadding cost (`wide`): same real work, padded block table / extra kv_len-0 slots")
+    print(f"{'kind':>6} {'dtype':>13} {'S|sl':>4} {'L|T':>6} {'variant':54s} {'splits':>6} {'ms':>8} {'x tight':>7} "
+          f"{'TB/s':>6} {'diff':>8}")
+    for r in wide:
+      nan = float("nan")
+      print(f"{r['kind']:>6} {r.get('dtype', ''):>13} {r.get('S', r.get('slots', '')):>4} {r.get('L', r.get('T', '')):>6} "
+            f"{r['variant'][:54]:54s} {str(r.get('splits', '')):>6} {r.get('ms', nan):8.4f} "
+            f"{r.get('over_tight', nan):7.2f} {r.get('TBps', nan):6.2f} {r.get('max_abs_diff_vs_tight', nan):8.1e}"
+            + (f"  ERROR {r['error'][:80]}" if "error" in r else ""))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import common, gpu, gpu_fp8, sparse
-from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_ragged
+from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_pool, random_ragged
 
 TOL = 2e-2  # bf16 probabilities in the PV matmul and a bf16 output
 
@@ -246,3 +246,238 @@ def test_fp8_decode_default_kernel_choice():
   assert (b.converters, b.BK, b.stages) == (0, 64, 2)
   r = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 512, ragged_tiles=10, **kw)
   assert (r.BK, r.stages, r.splits) == (128, 2, 1)
+
+
+# ---------------------------------------------------------------- wide block tables and padding slots
+# The engine passes block tables as wide as the longest allowed sequence ([S, max_pages_per_seq]) with many slots at
+# kv_len 0. The kernels must read only what the real lengths need. These tests poison (NaN) every pool page that a
+# padding slot's table row names, and every page past the 128-token block holding a sequence's last token: any read
+# of one would reach the PV product (0 * NaN = NaN) and fail max_err. The reference runs on the clean pool.
+
+WIDE = 64  # table entries per sequence (1024 tokens at page 16) while real lengths stay <= 3 pages
+
+
+def _poison_unread_pages(kv, sc, bt, lens, G, block=128):
+  """(kv, sc) with NaN in every page no kernel may read: table entries at or past the block boundary
+  (`block` tokens) after each sequence's kv_len (all entries of a kv_len-0 row)."""
+  bt, lens = np.asarray(bt), np.asarray(lens)
+  need = -(-np.maximum(lens, 0) // block) * block // G  # table entries a kernel may touch
+  dead = np.concatenate([bt[s, need[s]:] for s in range(bt.shape[0])])
+  kv32 = np.asarray(jnp.asarray(kv, jnp.float32)).copy()
+  kv32[dead] = np.nan
+  out_sc = None
+  if sc is not None:
+    out_sc = np.asarray(sc).copy()
+    out_sc[dead] = np.nan
+    out_sc = jnp.asarray(out_sc)
+  return jnp.asarray(kv32).astype(kv.dtype), out_sc
+
+
+def _wide_decode_problem(rng, dtype, S=6, K=2, g=4, H=64, G=16):
+  q, kv, bt, _, sc = random_decode(rng, S=S, K=K, g=g, H=H, G=G, Pmax=WIDE, dtype=dtype)
+  lens = np.zeros(S, np.int32)
+  lens[1::2] = rng.integers(1, 3 * G + 1, len(lens[1::2]))  # real sequences (<= 3 pages) between padding slots
+  lens[1] = 3 * G
+  lens = jnp.asarray(lens)
+  kv_bad, sc_bad = _poison_unread_pages(kv, sc, bt, lens, G)
+  return q, kv, kv_bad, bt, lens, sc, sc_bad
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    (jnp.bfloat16, {}),  # static split count from the table width (the default)
+    (jnp.bfloat16, dict(max_kv_len=48)),  # static split count from the length hint
+    (jnp.bfloat16, dict(splits=4, sliding_window=20)),  # static splits: those past the length idle
+    (jnp.bfloat16, dict(work_list=True)),  # run-time work list
+    (jnp.bfloat16, dict(work_list=True, splits=4)),  # work list, forced chunks capped at each sequence's blocks
+    (jnp.float8_e4m3fn, dict(fp8_converters=1, splits=3)),  # warp-specialized fp8 kernel, idle splits
+    (jnp.float8_e4m3fn, dict(fp8_converters=1, work_list=True)),  # warp-specialized fp8 kernel, work list
+    (jnp.float8_e5m2, dict(fp8_converters=0, work_list=True)),  # inline-conversion fp8 kernel, work list
+    (jnp.float8_e4m3fn, dict(fp8_converters=1, fp8_compute_wgs=2, splits=2)),  # two compute warpgroups
+])
+def test_gpu_decode_wide_table_padding_slots_read_nothing(dtype, kw):
+  rng, seed = fresh_rng()
+  q, kv, kv_bad, bt, lens, sc, sc_bad = _wide_decode_problem(rng, dtype)
+  out = gpu.paged_decode_attention_gpu(q, kv_bad, bt, lens, kv_scales_PK=sc_bad, interpret=True, **kw)
+  sem = {k: v for k, v in kw.items() if k in ("sliding_window", "soft_cap")}
+  ref = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc, **sem)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+  assert np.all(np.asarray(out, np.float32)[np.asarray(lens) == 0] == 0), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    (jnp.bfloat16, dict(work_list=True)),
+    (jnp.bfloat16, dict(work_list=True, sliding_window=150, soft_cap=5.0)),
+    (jnp.float8_e4m3fn, dict(work_list=True, fp8_converters=1)),
+])
+def test_gpu_decode_work_list_splits_the_live_sequences_of_a_padded_batch(dtype, kw):
+  """One long and two short sequences among kv_len-0 slots, wide table: the run-time work list cuts the long one
+  into several chunks (merged afterwards) and the short ones not at all; padding pages stay unread."""
+  rng, seed = fresh_rng()
+  q, kv, bt, _, sc = random_decode(rng, S=5, K=2, g=4, H=64, G=16, Pmax=WIDE, dtype=dtype)
+  lens = jnp.asarray([0, 330, 0, 40, 7], jnp.int32)
+  kv_bad, sc_bad = _poison_unread_pages(kv, sc, bt, lens, 16)
+  cfg = gpu.make_config(q.shape, kv.shape, kv.dtype, WIDE, scale=1.0, soft_cap=None, sliding_window=None,
+                        out_dtype="bfloat16", fp8_converters=kw.get("fp8_converters"), work_list=True)
+  _, chunks = gpu.decode_work_list(cfg, lens)
+  assert np.asarray(chunks)[[0, 2, 3, 4]].tolist() == [0, 0, 1, 1] and np.asarray(chunks)[1] > 1
+  out = gpu.paged_decode_attention_gpu(q, kv_bad, bt, lens, kv_scales_PK=sc_bad, interpret=True, **kw)
+  sem = {k: v for k, v in kw.items() if k in ("sliding_window", "soft_cap")}
+  ref = pa.paged_decode_attention_reference(q, kv, bt, lens, kv_scales_PK=sc, **sem)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+  assert np.all(np.asarray(out, np.float32)[[0, 2]] == 0), f"seed {seed}"
+
+
+def _chunk_ranges(total, chunks):
+  """The block ranges gpu.block_walk gives chunk j of `chunks` over `total` blocks (numpy mirror)."""
+  per = -(-total // max(chunks, 1))
+  return [(j * per, j * per + int(np.clip(total - j * per, 0, per))) for j in range(chunks)]
+
+
+def test_decode_work_list_shares_out_the_real_blocks():
+  """Chunks follow the real lengths (one wave's worth in all), none is empty, every block is covered exactly once,
+  the extras never overflow their static count, and idle slots get nothing."""
+  import dataclasses
+  kw = dict(scale=1.0, soft_cap=None, sliding_window=None, out_dtype="bfloat16")
+  base = gpu.make_config((6, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 8192, work_list=True, **kw)
+  cfg = dataclasses.replace(base, wave=8, extra=8)
+  lens = np.array([0, 8192, 1024, 0, 64, 0])  # 64-token blocks: 0, 128, 16, 0, 1, 0
+  wl, chunks = gpu.decode_work_list(cfg, jnp.asarray(lens, jnp.int32))
+  wl, chunks = np.asarray(wl), np.asarray(chunks)
+  assert chunks.tolist() == [0, 7, 1, 0, 1, 0] and wl.shape == (8 + 6, 3)
+  assert wl[:6].tolist() == [[1, j, 7] for j in range(1, 7)] and np.all(wl[6:8, 2] == 0)  # extras, then idle
+  assert wl[8:].tolist() == [[s, 0, int(c)] for s, c in enumerate(chunks)]  # the homes
+  nb = -(-lens // 64)
+  for s in range(6):
+    ranges = _chunk_ranges(nb[s], chunks[s])
+    assert all(b > a for a, b in ranges) and sum(b - a for a, b in ranges) == nb[s]
+  rng = np.random.default_rng(0)
+  for _ in range(20):  # random batches: the extras always fit
+    lens = rng.integers(0, 20000, 6) * rng.integers(0, 2, 6)
+    _, chunks = gpu.decode_work_list(cfg, jnp.asarray(lens, jnp.int32))
+    assert int(np.maximum(np.asarray(chunks) - 1, 0).sum()) <= cfg.extra
+
+
+def test_gpu_decode_all_slots_empty_gives_zeros():
+  """A mixed step's decode call where no slot decodes: every slot at kv_len 0, all pages poisoned."""
+  rng, seed = fresh_rng()
+  q, kv, bt, _, _ = random_decode(rng, S=3, K=2, g=4, H=64, G=16, Pmax=WIDE)
+  lens = jnp.zeros((3,), jnp.int32)
+  kv_bad, _ = _poison_unread_pages(kv, None, bt, lens, 16)
+  for splits in (1, 3):
+    out = gpu.paged_decode_attention_gpu(q, kv_bad, bt, lens, splits=splits, interpret=True)
+    assert np.all(np.asarray(out, np.float32) == 0), f"seed {seed}"
+
+
+def _wide_ragged_problem(rng, dtype, q_lens, kv_lens, K=2, g=4, H=64, G=16, pad_rows=5):
+  S = len(q_lens)
+  P = S * WIDE + 3
+  kv, sc = random_pool(rng, P, G, K, H, dtype)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  T = int(cu[-1]) + pad_rows
+  q = jnp.asarray(rng.standard_normal((T, K * g, H)), jnp.bfloat16)
+  bt = jnp.asarray(rng.permutation(P)[: S * WIDE].reshape(S, WIDE), jnp.int32)
+  lens = jnp.asarray(kv_lens, jnp.int32)
+  kv_bad, sc_bad = _poison_unread_pages(kv, sc, bt, lens, G)
+  return q, kv, kv_bad, bt, lens, cu, sc, sc_bad
+
+
+@pytest.mark.parametrize("dtype,g,kw", [
+    (jnp.bfloat16, 4, {}),
+    (jnp.bfloat16, 3, dict(sliding_window=9)),  # 21 tokens x 3 heads per tile (one zero row)
+    (jnp.float8_e4m3fn, 4, dict(soft_cap=4.0)),
+])
+def test_gpu_ragged_wide_table_with_decode_rows_at_kv_len_zero(dtype, g, kw):
+  """A mixed step's ragged call: prefill chunks (several sharing a q tile) next to decode sequences that the
+  ragged kernel sees at kv_len 0 (q_len 1: their rows must be exactly 0) and empty padding slots."""
+  rng, seed = fresh_rng()
+  q_lens = [1, 7, 1, 0, 12, 1, 0, 3]
+  kv_lens = [0, 7 + 30, 0, 0, 12, 0, 0, 3 + 41]  # <= 3 pages; q_len 1 at kv_len 0 = a decode row elsewhere
+  q, kv, kv_bad, bt, lens, cu, sc, sc_bad = _wide_ragged_problem(rng, dtype, q_lens, kv_lens, g=g)
+  out = gpu.paged_attention_gpu(q, kv_bad, bt, lens, cu, kv_scales_PK=sc_bad, interpret=True, **kw)
+  ref = pa.paged_attention_reference(q, kv, bt, lens, cu, kv_scales_PK=sc, **kw)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+  out = np.asarray(out, np.float32)
+  cu_np = np.asarray(cu)
+  zero_rows = [cu_np[s] for s in range(len(q_lens)) if q_lens[s] == 1 and kv_lens[s] == 0]
+  assert np.all(out[zero_rows] == 0) and np.all(out[cu_np[-1]:] == 0), f"seed {seed}"
+
+
+def test_gpu_ragged_decode_only_step_every_sequence_at_kv_len_zero():
+  """In a decode-only step the ragged kernel sees every sequence at kv_len 0: all rows 0, nothing read."""
+  rng, seed = fresh_rng()
+  q_lens = [1, 1, 0, 1]
+  q, kv, kv_bad, bt, lens, cu, _, _ = _wide_ragged_problem(rng, jnp.bfloat16, q_lens, [0, 0, 0, 0])
+  out = gpu.paged_attention_gpu(q, kv_bad, bt, lens, cu, interpret=True)
+  assert np.all(np.asarray(out, np.float32) == 0), f"seed {seed}"
+
+
+def test_ragged_work_items_follow_the_work():
+  """One item per (q tile, sequence with rows and kv_len > 0); kv_len-0 sequences and padding rows get none."""
+  q_lens = np.array([1, 20, 0, 1, 5, 40])
+  kv_lens = np.array([0, 25, 0, 9, 0, 40])
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  T, tq = int(cu[-1]) + 3, 16  # 70 rows -> 5 q tiles
+  info, item_T, has_T, n_items, NI, NQ = gpu.ragged_work_items(cu, jnp.asarray(kv_lens, jnp.int32), T, tq)
+  assert (NQ, NI, int(n_items)) == (5, 5 + 6 - 1, 7)
+  info = np.asarray(info)
+  real = info[info[:, 4] > info[:, 3]]
+  # seq 1: rows 1..20 (tiles 0, 1); seq 3: row 21 (tile 1); seq 5: rows 27..66 (tiles 1..4)
+  assert real[:, :2].tolist() == [[1, 0], [1, 1], [3, 1], [5, 1], [5, 2], [5, 3], [5, 4]]
+  assert np.all(info[len(real):, 3] == info[len(real):, 4])  # the rest: empty
+  assert real[0, 3:].tolist() == [5, 20] and real[1, 3:].tolist() == [20, 25]  # positions 5..24 of seq 1
+  has = np.asarray(has_T)
+  assert has.sum() == 20 + 1 + 40 and not has[0] and not has[21 + 1:27].any()
+
+
+def test_split_choice_does_not_follow_the_table_width():
+  """Static-split path (the default): the split count stays bounded for a 128k-token table (8192 pages) and
+  follows a max_kv_len hint. The work-list path has one wave of extra chunk programs, whatever the table width."""
+  kw = dict(scale=1.0, soft_cap=None, sliding_window=None, out_dtype="bfloat16")
+  wl = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 8192, work_list=True, **kw)
+  assert wl.worklist and wl.extra == wl.wave and wl.extra == gpu.make_config(
+      (8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 16, work_list=True, **kw).extra
+  wide = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 8192, **kw)
+  tight = gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 8192, max_kv_len=1024, **kw)
+  assert 1 <= wide.splits <= 8 and tight.splits <= wide.splits
+  many = gpu.make_config((512, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 8192, **kw)
+  assert many.splits == 1  # 512 x 8 (sequence, kv head) programs fill the GPU already
+  with pytest.raises(ValueError, match="max_kv_len"):
+    gpu.make_config((8, 32, 128), (4096, 16, 16, 128), jnp.bfloat16, 8192, max_kv_len=0, **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_gpu_kernels_lower_for_cuda_with_a_wide_table(dtype):
+  """128k-token block tables (8192 pages) and 64 slots: decode (default splits, a hint) and ragged lower."""
+  S, K, g, H, G, Pmax, P = 64, 8, 4, 128, 16, 8192, 16384
+  sd = jax.ShapeDtypeStruct
+  q = sd((S, K * g, H), jnp.bfloat16)
+  kv = sd((P, G, 2 * K, H), dtype)
+  bt, lens = sd((S, Pmax), jnp.int32), sd((S,), jnp.int32)
+  sc = None if dtype == jnp.bfloat16 else jnp.ones((P, 2 * K), jnp.float32)
+  for kw in (dict(), dict(max_kv_len=2048), dict(work_list=True), dict(work_list=True, splits=3)):
+    txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, **kw),
+                      q, kv, bt, lens).as_text()
+    assert "mosaic_gpu" in txt
+  qT, cu = sd((256, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)
+  _lower_cuda(lambda *a: gpu.paged_attention_gpu(*a, kv_scales_PK=sc), qT, kv, bt, lens, cu)
+
+
+@pytest.mark.parametrize("dtype,kw", [(jnp.bfloat16, dict(sliding_window=30)), (jnp.float8_e5m2, {})])
+def test_gpu_ragged_persistent_programs_loop_over_items(monkeypatch, dtype, kw):
+  """The ragged grid is persistent: with one "SM" and one wave there are 2-3 programs per kv head, each looping
+  over several work items (q tiles of several sequences, one tile shared by 3), reusing barriers and smem."""
+  monkeypatch.setattr(gpu, "_num_sms", lambda: 1)
+  monkeypatch.setattr(gpu, "RAGGED_WAVES", 1)
+  rng, seed = fresh_rng()
+  q_lens = [9, 1, 30, 0, 5, 1, 17]
+  kv_lens = [9 + 20, 0, 30 + 3, 0, 5, 38, 17]
+  q, kv, kv_bad, bt, lens, cu, sc, sc_bad = _wide_ragged_problem(rng, dtype, q_lens, kv_lens, pad_rows=7)
+  T = q.shape[0]
+  info, _, _, n_items, NI, _ = gpu.ragged_work_items(cu, lens, T, 16)
+  cfg = gpu.make_config((7, 8, 64), kv.shape, kv.dtype, WIDE, scale=1.0, soft_cap=None, sliding_window=None,
+                        out_dtype="bfloat16", ragged_tiles=NI)
+  assert cfg.programs <= 3 and int(n_items) == 8  # (8 items over <= 3 programs per kv head)
+  out = gpu.paged_attention_gpu(q, kv_bad, bt, lens, cu, kv_scales_PK=sc_bad, interpret=True, **kw)
+  ref = pa.paged_attention_reference(q, kv, bt, lens, cu, kv_scales_PK=sc, **kw)
+  assert max_err(out, ref) < TOL, f"seed {seed}"
+  assert np.all(np.asarray(out, np.float32)[np.asarray(cu)[1]] == 0)  # q_len 1 at kv_len 0

@@ -7,11 +7,22 @@ heads of one kv head (and, for prefill, several query tokens) as the M=64 rows o
 contexts over programs whose partial (o, m, l) are combined afterwards (one XLA fusion).
 
 Design notes
-- One program = (kv split, kv head k, sequence s) for decode; (query tile, kv head k) for ragged prefill.
+- One program = (kv split, kv head k, sequence s) for decode. Ragged prefill: a persistent grid of (kv head,
+  program) that loops over a packed work list of (q tile, sequence) items (ragged_work_items).
 - Rows: the 64 wgmma rows are a window of query heads [r0, r0+64) that contains the g heads of kv head k
-  (decode), or floor(64/g) query tokens x g heads (prefill, with q gathered tile-major to [tiles, K, 64, H];
-  a group that does not divide 64, e.g. SmolLM2's 3, leaves zero rows at the end of the tile). Extra rows are
-  computed and thrown away: the tensor cores have >10x headroom in decode.
+  (decode), or floor(64/g) query tokens x g heads (prefill: q cut into fixed tiles of 64/g rows, tile-major
+  [tiles, K, 64, H]; rows of other sequences in a tile are computed and thrown away; a group that does not
+  divide 64, e.g. SmolLM2's 3, leaves zero rows at the end of the tile). Extra rows are computed and thrown
+  away: the tensor cores have >10x headroom in decode.
+- Cost follows the real lengths, not the block table's width P nor padding slots (the engine passes [S, P]
+  tables as wide as the longest allowed sequence, many slots at kv_len 0): every block range comes from kv_len
+  (block_walk), a split's share of a sequence is cut at run time from its real length, programs with nothing
+  to read load neither q nor pages, ragged rows of kv_len-0 sequences get no work item (their rows are 0), and
+  the ragged grid only runs the real items. What still scales with S: the decode grid (an idle program costs
+  its launch and a tiny store: H200, 32 x 1k in 256 slots +10 us) and the static split count, chosen as if all
+  S slots were live (1 live sequence in 256 slots: 8.9x its tight time). work_list=True (WORK_LIST) picks the
+  split count at run time (decode_work_list) and fixes that case (to 2.9x), but its XLA glue (work list + merge,
+  ~15-25 us on the H200) makes it slower everywhere else, so it is opt-in.
 - A step covers BK kv tokens: ppb whole pages (G <= BK) or a 1/spp slice of one page (G > BK). K and V of
   one page arrive by two TMAs each ([G, H] boxes of the interleaved pool) on the slot's barrier.
 - fp8 pools: TMA brings fp8 bytes; the kernel converts them to f16 (exact, and the only conversion Hopper
@@ -81,11 +92,16 @@ class KernelConfig:
   window: int | None
   out_dtype: str
   p_via_smem: bool = False  # probabilities reach the PV wgmma through smem (required by the interpreter)
-  NT: int = 0  # ragged: number of query tiles
+  NT: int = 0  # ragged: work items in the static list (gpu.ragged_work_items)
+  programs: int = 0  # ragged: persistent programs per kv head (each loops over every programs-th real item)
   converters: int = 0  # fp8 decode: > 0 runs the warp-specialized kernel (gpu_fp8.py) with this many converter WGs
   fp8_bits: bool = False  # warp-specialized kernel: widen fp8 with integer bit ops (H-permuted tiles, gpu_fp8.py)
   compute_wgs: int = 1  # warp-specialized kernel: compute warpgroups on alternate steps (each one split-K partial)
   qk8: bool = False  # fp8 decode: QK^T as an fp8 wgmma (q quantized per row to e4m3 by the wrapper); only V widened
+  worklist: bool = False  # dense decode: programs = (kv head, work item) from a run-time work list (decode_work_list)
+  extra: int = 0  # worklist: extra chunk programs per kv head (items 0..extra-1; items extra.. are the S homes)
+  wave: int = 0  # worklist: programs per kv head that fill one wave (the run-time chunking target)
+  forced: int = 0  # worklist: > 0 cuts every live sequence into min(forced, its blocks) chunks (tests, tuning)
 
   @property
   def R(self):  # q rows loaded per program (decode)
@@ -106,7 +122,7 @@ class KernelConfig:
 
   @property
   def final(self):  # the kernel writes the normalized output itself (no split-K combine)
-    return self.ragged or (self.splits == 1 and self.compute_wgs == 1)
+    return self.ragged or (not self.worklist and self.splits == 1 and self.compute_wgs == 1)
 
 
 def _tiles(dtype, minor=128):
@@ -139,13 +155,15 @@ FP8_QK = False  # fp8 decode: True runs QK^T as an fp8 wgmma on the stored K byt
 FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops,
 #                      1.4-1.6x slower than cvt on the H200, run D)
 SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape (runs C, D)
+RAGGED_WAVES = 4  # ragged: persistent programs = this many waves (each loops over the real work items)
+WORK_LIST = False  # dense decode: True = run-time split choice over a work list (decode_work_list); see make_config
 
 
 def smem_bytes(BK, H, stages, fp8, p_via_smem=False, qk8=False):
   """Estimate of the kernel's shared memory: q tile + max(ring scope, output staging)."""
   staged = (1 if qk8 else 2) if fp8 else 0  # f16 staging tiles (V only with qk8)
   ring = stages * 2 * BK * H * (1 if fp8 else 2) + staged * BK * H * 2 + (ROWS * BK * 2 if p_via_smem else 0)
-  out = ROWS * H * 4 + 2 * ROWS * 4
+  out = ROWS * H * 8 + 2 * ROWS * 4  # work-list decode: output-dtype (<= f32) + f32 staging
   q = ROWS * H + ROWS * 4 if qk8 else ROWS * H * 2
   return q + max(ring, out) + 1024
 
@@ -231,13 +249,19 @@ def online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc, qpos=None):
   return p, m_new, l_i, acc
 
 
-def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None):
+def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None, nsplit=None):
   """Which KV blocks one program reads, shared by the kernels here and in gpu_fp8.py.
 
   The sequence's blocks of BK tokens form a range [first, last) (the sparse selection's entries, the causal
-  prefix of a ragged tile, or the window / whole context); split `sp` takes `steps_per_split` of them.
-  ragged: (valid tokens, position of the first query token) of a ragged tile. Returns (b_lo, n_steps,
-  block_pages(b) -> physical page ids of block b (scalar loads), logical_page(i) -> logical page of entry i).
+  prefix of a ragged work item, or the window / whole context), computed from the REAL lengths (kv_len, the
+  selection count, the item's query positions): nothing here depends on the block table's width. The range is
+  cut at run time into `splits` near-equal parts and split `sp` takes part sp, so the work of a sequence is
+  spread over all its split programs whatever its length; a program whose part is empty (kv_len 0, or a short
+  sequence with more splits than blocks) gets n_steps = 0.
+  ragged: (p_lo, p_hi) = position of the item's first valid query token and one past its last one (p_hi <= p_lo:
+  an empty item). nsplit: a run-time split count (work-list decode; 0 = an idle item) instead of cfg.splits.
+  Returns (b_lo, n_steps, block_pages(b) -> physical page ids of block b (scalar loads),
+  logical_page(i) -> logical page of entry i).
   """
   BK, ppb, spp = cfg.BK, cfg.ppb, cfg.spp
   nsel = None
@@ -246,15 +270,23 @@ def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None):
     last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
     first = 0
   elif ragged is not None:
-    ntok, qpos0 = ragged
-    last = jnp.where(ntok > 0, (qpos0 + ntok + BK - 1) // BK, 0)
-    first = 0 if cfg.window is None else jnp.maximum(qpos0 - cfg.window + 1, 0) // BK
+    p_lo, p_hi = ragged
+    last = jnp.where(p_hi > p_lo, (jnp.minimum(p_hi, kv_len) + BK - 1) // BK, 0)
+    first = 0 if cfg.window is None else jnp.maximum(p_lo - cfg.window + 1, 0) // BK
   else:
     last = (kv_len + BK - 1) // BK
     first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
-  b_lo = first + sp * cfg.steps_per_split
-  b_hi = jnp.minimum(b_lo + cfg.steps_per_split, last)
-  n_steps = jnp.maximum(b_hi - b_lo, 0)
+  total = jnp.maximum(last - first, 0)
+  if nsplit is not None:
+    per = (total + jnp.maximum(nsplit, 1) - 1) // jnp.maximum(nsplit, 1)
+    b_lo = first + sp * per
+    n_steps = jnp.where(nsplit > 0, jnp.clip(total - sp * per, 0, per), 0)
+  elif cfg.splits == 1:
+    b_lo, n_steps = first, total
+  else:
+    per = (total + cfg.splits - 1) // cfg.splits
+    b_lo = first + sp * per
+    n_steps = jnp.clip(total - sp * per, 0, per)
 
   def page_of(idx):
     idx = jnp.clip(idx, 0, cfg.Pmax - 1)
@@ -276,6 +308,7 @@ def _kernel(cfg: KernelConfig, *refs):
   it = iter(refs)
   q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
   tile_ref = next(it) if cfg.ragged else None
+  wl_ref = next(it) if cfg.worklist else None
   nsel_ref = next(it) if cfg.sparse else None
   lp_ref = next(it) if cfg.sparse else None
   sc_ref = next(it) if cfg.fp8 else None
@@ -283,170 +316,310 @@ def _kernel(cfg: KernelConfig, *refs):
   o_ref = next(it)
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
+  ext_refs = (next(it), next(it), next(it)) if cfg.worklist else None  # o_ext, m_ext, l_ext
   q_smem, bars, q_bar = next(it), next(it), next(it)
   qs_smem = next(it) if cfg.qk8 else None
 
   G, BK, spp, g = cfg.G, cfg.BK, cfg.spp, cfg.g
   cdt = cfg.compute_dtype
   k = lax.axis_index("kvh")
-  if cfg.ragged:
-    tile = lax.axis_index("tile")
-    s = tile_ref[tile, 0]
-    ntok = tile_ref[tile, 2]
-    qpos0 = tile_ref[tile, 3]  # position of the tile's first query token
-    sp = 0
-  else:
-    s = lax.axis_index("seq")
-    sp = lax.axis_index("split")
-  kv_len = lens_ref[s]
-  b_lo, n_steps, block_pages, logical_page = block_walk(
-      cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, (ntok, qpos0) if cfg.ragged else None)
-
-  # q rows. Decode: a 64-row window of heads containing kv head k's group. Ragged: 64/g tokens x g heads.
-  if cfg.ragged:
-    local = 0
-    plgpu.copy_gmem_to_smem(q_ref.at[tile, k], q_smem, q_bar)
-  else:
-    # TMA into 8-row smem tiles needs an 8-aligned gmem row: N is padded to a multiple of 8 and the window
-    # starts at the group's first head rounded down to 8 (g <= 56 keeps the whole group inside).
-    r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS) if cfg.N > ROWS else 0  # python int: static slice
-    local = k * g - r0
-    if cfg.R == ROWS:
-      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
-    else:
-      plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
-    if cfg.qk8:  # per-row q scales (x softmax scale), padded by the wrapper to >= 64 entries
-      plgpu.copy_gmem_to_smem(qs_ref.at[s, pl.ds(r0, ROWS)], qs_smem, q_bar)
-
-  # The K/V ring (and fp8/p staging) lives in a scope that closes before the output staging is allocated, so
-  # the two share shared memory.
-  ring_types = ring_scratch(cfg)
-
-  def pipeline(*allocated):
-    got = iter(allocated)
-    k_smem, v_smem, kq_smem, vq_smem, p_smem = (next(got) if t is not None else None for t in ring_types)
-    kdst = kq_smem if cfg.fp8 else k_smem
-    vdst = vq_smem if cfg.fp8 else v_smem
-
-    def issue(b, slot, pages=None):
-      """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
-      pages = block_pages(b) if pages is None else pages
-      if spp == 1:
-        for j, pg in enumerate(pages):
-          plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
-          plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
-      else:
-        pg, off = pages[0], (b % spp) * BK
-        plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
-
-    for i in range(cfg.stages):
-      @pl.when(i < n_steps)
-      def _():
-        issue(b_lo + i, i)
-
-    plgpu.barrier_wait(q_bar)
-    if cfg.qk8:
-      qs_row = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-
-    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
+  # Ragged: a persistent grid; program p of kv head k runs work items p, p + NP, ... of the packed list (only the
+  # real ones: the list's padding costs nothing). Decode: one program = one (split, kv head, sequence).
+  def one_item(item):
     if cfg.ragged:
-      row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
-      qpos = qpos0 + row // g  # [ROWS, BK]: position of each row's query token
+      s = tile_ref[item, 0]
+      qtile = tile_ref[item, 1]  # the q tile this item reads (64/g consecutive query rows)
+      qpos0 = tile_ref[item, 2]  # position of the tile's first query row (rows of other sequences: thrown away)
+      p_lo, p_hi = tile_ref[item, 3], tile_ref[item, 4]  # positions of this sequence's rows in the tile
+      sp = 0
+    elif cfg.worklist:
+      w = lax.axis_index("work")
+      s, sp, nsp = wl_ref[w, 0], wl_ref[w, 1], wl_ref[w, 2]
+    else:
+      s = lax.axis_index("seq")
+      sp = lax.axis_index("split")
+    kv_len = lens_ref[s]
+    b_lo, n_steps, block_pages, logical_page = block_walk(
+        cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, (p_lo, p_hi) if cfg.ragged else None,
+        nsp if cfg.worklist else None)
+    busy = n_steps > 0  # False: kv_len 0 / a split past the real length / an empty item: no TMA at all
 
-    def body(step, carry):
-      acc, m_i, l_i = carry
-      b = b_lo + step
-      slot = lax.rem(step, cfg.stages)
-      # Scalar loads first, so their latency hides behind the barrier wait and the matmuls: the page ids of the
-      # block this step will prefetch, and (fp8) the scales of the pages being computed now.
-      next_pages = block_pages(b + cfg.stages)
-      if cfg.fp8:
-        cur_pages = block_pages(b)
-        k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
-        v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
-      plgpu.barrier_wait(bars.at[slot])
+    # q rows. Decode: a 64-row window of heads containing kv head k's group. Ragged: 64/g tokens x g heads.
+    if cfg.ragged:
+      local = 0
 
-      if cfg.qk8:  # K stays fp8 (the wgmma reads the ring slot); V is widened while the QK wgmma runs
-        kslot, vslot = kq_smem.at[slot], v_smem
-      elif cfg.fp8:
-        kslot, vslot = k_smem, v_smem
-        kslot[...] = kq_smem[slot].astype(cdt)
-        vslot[...] = vq_smem[slot].astype(cdt)
-        plgpu.commit_smem()
-      else:
-        kslot, vslot = k_smem.at[slot], v_smem.at[slot]
+      @pl.when(busy)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[qtile, k], q_smem, q_bar)
+    else:
+      # TMA into 8-row smem tiles needs an 8-aligned gmem row: N is padded to a multiple of 8 and the window
+      # starts at the group's first head rounded down to 8 (g <= 56 keeps the whole group inside).
+      r0 = jnp.minimum((k * g) // 8 * 8, cfg.N - ROWS) if cfg.N > ROWS else 0  # python int: static slice
+      local = k * g - r0
 
-      def qk_fn(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, kslot.transpose((1, 0)))
-        if cfg.qk8:
+      @pl.when(busy)
+      def _():
+        if cfg.R == ROWS:
+          plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(r0, ROWS)], q_smem, q_bar)
+        else:
+          plgpu.copy_gmem_to_smem(q_ref.at[s, pl.ds(0, cfg.R)], q_smem.at[pl.ds(0, cfg.R)], q_bar)
+        if cfg.qk8:  # per-row q scales (x softmax scale), padded by the wrapper to >= 64 entries
+          plgpu.copy_gmem_to_smem(qs_ref.at[s, pl.ds(r0, ROWS)], qs_smem, q_bar)
+
+    # The K/V ring (and fp8/p staging) lives in a scope that closes before the output staging is allocated, so
+    # the two share shared memory.
+    ring_types = ring_scratch(cfg)
+
+    def pipeline(*allocated):
+      got = iter(allocated)
+      k_smem, v_smem, kq_smem, vq_smem, p_smem = (next(got) if t is not None else None for t in ring_types)
+      kdst = kq_smem if cfg.fp8 else k_smem
+      vdst = vq_smem if cfg.fp8 else v_smem
+
+      def issue(b, slot, pages=None):
+        """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
+        pages = block_pages(b) if pages is None else pages
+        if spp == 1:
+          for j, pg in enumerate(pages):
+            plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
+        else:
+          pg, off = pages[0], (b % spp) * BK
+          plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
+          plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
+
+      for i in range(cfg.stages):
+        @pl.when(i < n_steps)
+        def _():
+          issue(b_lo + i, i)
+
+      @pl.when(busy)
+      def _():
+        plgpu.barrier_wait(q_bar)
+      if cfg.qk8:
+        qs_row = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # only used when busy
+
+      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
+      if cfg.ragged:
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
+        qpos = qpos0 + row // g  # [ROWS, BK]: position of each row's query token
+
+      def body(step, carry):
+        acc, m_i, l_i = carry
+        b = b_lo + step
+        slot = lax.rem(step, cfg.stages)
+        # Scalar loads first, so their latency hides behind the barrier wait and the matmuls: the page ids of the
+        # block this step will prefetch, and (fp8) the scales of the pages being computed now.
+        next_pages = block_pages(b + cfg.stages)
+        if cfg.fp8:
+          cur_pages = block_pages(b)
+          k_scales = [sc_ref[pg, 2 * k] for pg in cur_pages]
+          v_scales = [sc_ref[pg, 2 * k + 1] for pg in cur_pages]
+        plgpu.barrier_wait(bars.at[slot])
+
+        if cfg.qk8:  # K stays fp8 (the wgmma reads the ring slot); V is widened while the QK wgmma runs
+          kslot, vslot = kq_smem.at[slot], v_smem
+        elif cfg.fp8:
+          kslot, vslot = k_smem, v_smem
+          kslot[...] = kq_smem[slot].astype(cdt)
           vslot[...] = vq_smem[slot].astype(cdt)
           plgpu.commit_smem()
-        return acc_ref[...]
-      logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
+        else:
+          kslot, vslot = k_smem.at[slot], v_smem.at[slot]
 
-      # Per-column page data: logical token positions and fp8 scales.
-      pos = column_positions(cfg, b, col, logical_page)
-      if cfg.fp8:
-        ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
+        def qk_fn(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, kslot.transpose((1, 0)))
+          if cfg.qk8:
+            vslot[...] = vq_smem[slot].astype(cdt)
+            plgpu.commit_smem()
+          return acc_ref[...]
+        logits = pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BK), jnp.float32))
 
-      if cfg.qk8:  # the wrapper folded the softmax scale into the per-row q scales
-        logits = logits * lax.broadcast_in_dim(qs_row, logits.shape, [0]) * ksc
-      else:
-        logits = logits * cfg.scale
+        # Per-column page data: logical token positions and fp8 scales.
+        pos = column_positions(cfg, b, col, logical_page)
         if cfg.fp8:
-          logits = logits * ksc
-      p, m_new, l_i, acc = online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc,
-                                               qpos if cfg.ragged else None)
-      if cfg.fp8:
-        p = p * vsc
-      p16 = p.astype(cdt)
-      if p_smem is not None:  # wgmma A operand from shared memory (the interpreter needs refs)
-        p_smem[...] = p16
-        plgpu.commit_smem()
-        p_op = p_smem
+          ksc, vsc = page_columns(k_scales, col, G), page_columns(v_scales, col, G)
+
+        if cfg.qk8:  # the wrapper folded the softmax scale into the per-row q scales
+          logits = logits * lax.broadcast_in_dim(qs_row, logits.shape, [0]) * ksc
+        else:
+          logits = logits * cfg.scale
+          if cfg.fp8:
+            logits = logits * ksc
+        p, m_new, l_i, acc = online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc,
+                                                 qpos if cfg.ragged else None)
+        if cfg.fp8:
+          p = p * vsc
+        p16 = p.astype(cdt)
+        if p_smem is not None:  # wgmma A operand from shared memory (the interpreter needs refs)
+          p_smem[...] = p16
+          plgpu.commit_smem()
+          p_op = p_smem
+        else:
+          p_op = p16
+
+        def pv_fn(acc_ref):
+          plgpu.wgmma(acc_ref, p_op, vslot)
+          return acc_ref[...]
+        acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, cfg.H), jnp.float32))
+
+        @pl.when(step + cfg.stages < n_steps)
+        def _():
+          issue(b + cfg.stages, slot, next_pages)
+        return acc, m_new, l_i
+
+      acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
+      m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      return lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+
+    acc, m_i, l_i = pl.run_scoped(pipeline, *[t for t in ring_types if t is not None])
+
+    out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.dtype(jnp.float32)
+
+    def store(o_smem, ml_smem):
+      if cfg.final:
+        inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+        o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
       else:
-        p_op = p16
+        o_smem[...] = acc
+        ml_smem[0] = m_i
+        ml_smem[1] = l_i
+      plgpu.commit_smem()
+      if cfg.ragged:
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[item, k])
+      elif cfg.final:
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
+      else:
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[sp, s, pl.ds(k * g, g)])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[sp, s, k])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[sp, s, k])
+      plgpu.wait_smem_to_gmem(0)
 
-      def pv_fn(acc_ref):
-        plgpu.wgmma(acc_ref, p_op, vslot)
-        return acc_ref[...]
-      acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, cfg.H), jnp.float32))
+    if cfg.worklist:  # idle items write nothing (decode_work_list / combine_work_list never read them)
+      pl.when(busy)(lambda: pl.run_scoped(
+          functools.partial(store_work_item, cfg, w, s, k, local, acc, m_i, l_i, o_ref, m_ref, l_ref, ext_refs),
+          plgpu.SMEM((ROWS, cfg.H), jnp.dtype(cfg.out_dtype)), plgpu.SMEM((ROWS, cfg.H), jnp.float32),
+          plgpu.SMEM((2, ROWS), jnp.float32)))
+    elif cfg.ragged:  # an item with no query rows (the static work list's padding) writes nothing: nobody reads it
+      pl.when(p_hi > p_lo)(lambda: pl.run_scoped(store, plgpu.SMEM((ROWS, cfg.H), out_dtype),
+                                                 plgpu.SMEM((2, ROWS), jnp.float32)))
+    else:  # every (split, sequence) writes its (neutral, when idle) result: the output has no other initialization
+      pl.run_scoped(store, plgpu.SMEM((ROWS, cfg.H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32))
 
-      @pl.when(step + cfg.stages < n_steps)
-      def _():
-        issue(b + cfg.stages, slot, next_pages)
-      return acc, m_new, l_i
 
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, cfg.H), jnp.float32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    return lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+  if cfg.ragged:
+    p, NP = lax.axis_index("prog"), cfg.programs
+    n_items = tile_ref[cfg.NT, 0]  # the work list's last row holds the number of real items
 
-  acc, m_i, l_i = pl.run_scoped(pipeline, *[t for t in ring_types if t is not None])
+    def loop_body(j, carry):
+      one_item(p + j * NP)
+      return carry
+    lax.fori_loop(0, jnp.maximum(n_items - p + NP - 1, 0) // NP, loop_body, 0)
+  else:
+    one_item(None)
 
-  out_dtype = jnp.dtype(cfg.out_dtype) if cfg.final else jnp.dtype(jnp.float32)
 
-  def store(o_smem, ml_smem):
-    if cfg.final:
-      inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
-      o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
-    else:
-      o_smem[...] = acc
-      ml_smem[0] = m_i
-      ml_smem[1] = l_i
+def store_work_item(cfg, w, s, k, local, acc, m_i, l_i, o_ref, m_ref, l_ref, ext_refs, oh_smem, of_smem, ml_smem):
+  """Work-list decode output of one (item, kv head): its normalized o (1/l applied; 0 where l = 0) and (m, l).
+  Items 0..extra-1 are extra chunks (f32 rows of o_ext); items extra.. are the homes of the S sequences (rows of
+  the output itself, in its dtype: it is final when the sequence has one chunk). Shared with gpu_fp8.py."""
+  o_ext, m_ext, l_ext = ext_refs
+  g = cfg.g
+  inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+  o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+  ml_smem[0] = m_i
+  ml_smem[1] = l_i
+
+  @pl.when(w >= cfg.extra)
+  def _():
+    oh_smem[...] = o.astype(oh_smem.dtype)
     plgpu.commit_smem()
-    if cfg.ragged:
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tile, k])
-    elif cfg.final:
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
-    else:
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(local, g)], o_ref.at[sp, s, pl.ds(k * g, g)])
-      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[sp, s, k])
-      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[sp, s, k])
+    plgpu.copy_smem_to_gmem(oh_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[s, k])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[s, k])
     plgpu.wait_smem_to_gmem(0)
 
-  pl.run_scoped(store, plgpu.SMEM((ROWS, cfg.H), out_dtype), plgpu.SMEM((2, ROWS), jnp.float32))
+  if cfg.extra:
+    @pl.when(w < cfg.extra)
+    def _():
+      of_smem[...] = o
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(of_smem.at[pl.ds(local, g)], o_ext.at[w, pl.ds(k * g, g)])
+      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ext.at[w, k])
+      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ext.at[w, k])
+      plgpu.wait_smem_to_gmem(0)
+
+
+def decode_work_list(cfg, kv_lens_S):
+  """Run-time work list of the work-list decode kernel: [extra + S, 3] int32 rows (sequence, chunk, chunks).
+
+  Each live sequence s (blocks nb_s > 0 of BK tokens) is cut into c_s near-equal chunks: c_s ~ nb_s * wave /
+  sum(nb) (so one wave of programs shares out the REAL work, long sequences getting more chunks), at least 1,
+  at most nb_s, and rounded so that no chunk is empty; cfg.forced overrides it. Chunk 0 runs in the sequence's
+  home item (row extra + s), chunks 1.. in the extra items (rows 0.., packed). sum(c_s - 1) <= extra always, so
+  nothing is dropped. Idle rows (kv_len 0, unused extras) have chunks = 0 and do nothing.
+  Returns (work list, chunks per sequence [S]).
+  """
+  S, C, BK = cfg.S, cfg.extra, cfg.BK
+  lens = jnp.maximum(kv_lens_S, 0)
+  last = (lens + BK - 1) // BK
+  first = 0 if cfg.window is None else jnp.maximum(lens - cfg.window, 0) // BK
+  nb = jnp.maximum(last - first, 0)
+  live = nb > 0
+  if cfg.forced:
+    c_raw = jnp.full_like(nb, cfg.forced)
+  else:
+    c_raw = nb * cfg.wave // jnp.maximum(jnp.sum(nb), 1)
+  c_raw = jnp.clip(c_raw, 1, jnp.maximum(nb, 1))
+  c = jnp.where(live, (nb + (nb + c_raw - 1) // c_raw - 1) // ((nb + c_raw - 1) // c_raw), 0)  # no empty chunk
+  seq = jnp.arange(S, dtype=jnp.int32)
+  home = jnp.stack([seq, jnp.zeros_like(seq), c], axis=-1)
+  if not C:
+    return home.astype(jnp.int32), c
+  n_ext = jnp.maximum(c - 1, 0)
+  ext_end = jnp.cumsum(n_ext)
+  e = jnp.arange(C, dtype=jnp.int32)
+  es = jnp.clip(jnp.searchsorted(ext_end, e, side="right", method="compare_all").astype(jnp.int32), 0, S - 1)
+  ev = e < ext_end[-1]
+  ej = 1 + e - (ext_end - n_ext)[es]
+  ext = jnp.stack([jnp.where(ev, es, 0), jnp.where(ev, ej, 0), jnp.where(ev, c[es], 0)], axis=-1)
+  return jnp.concatenate([ext, home], axis=0).astype(jnp.int32), c
+
+
+def combine_work_list(res, wl, c, cfg):
+  """Output of the work-list decode kernel -> [S, N, H] in the output dtype.
+
+  Sequences with one chunk: their home rows as written; kv_len-0 sequences: zeros (their rows are never written);
+  split sequences (at most cfg.extra of them): the softmax merge of the home chunk and its extra chunks, done on
+  O(extra) rows only (segment reductions over the extra items), then scattered into the output."""
+  o_home, m_home, l_home, o_ext, m_ext, l_ext = res
+  S, N = o_home.shape[0], o_home.shape[1]
+  out = jnp.where((c > 0)[:, None, None], o_home, jnp.zeros((), o_home.dtype))
+  C = cfg.extra
+  if not C:
+    return out
+  k_of_n, row_of_n = _row_maps(N, cfg.K, cfg.g)
+  split = c > 1
+  group = jnp.cumsum(split.astype(jnp.int32)) - 1  # group of each split sequence: 0 .. <= C - 1
+  home_of = jnp.full((C,), S, jnp.int32).at[jnp.where(split, group, C)].set(jnp.arange(S, dtype=jnp.int32),
+                                                                             mode="drop")
+  hs = jnp.clip(home_of, 0, S - 1)
+  ext_seq, ext_live = wl[:C, 0], wl[:C, 2] > 0
+  seg = jnp.where(ext_live, group[ext_seq], C)  # extras of idle rows go to a dropped segment
+  me = jnp.where(ext_live[:, None], m_ext[:, k_of_n, row_of_n], -jnp.inf)  # [C, N]
+  le = jnp.where(ext_live[:, None], l_ext[:, k_of_n, row_of_n], 0.0)
+  mh = m_home[hs][:, k_of_n, row_of_n]  # [C groups, N]
+  lh = l_home[hs][:, k_of_n, row_of_n]
+  M = jnp.maximum(mh, jax.ops.segment_max(me, seg, num_segments=C))
+  we = jnp.where(ext_live[:, None], jnp.exp2(me - M[jnp.clip(seg, 0, C - 1)]) * le, 0.0)
+  wh = jnp.exp2(mh - M) * lh
+  oe = jnp.where(ext_live[:, None, None], o_ext, 0.0)
+  num = wh[..., None] * o_home[hs].astype(jnp.float32) + jax.ops.segment_sum(we[..., None] * oe, seg,
+                                                                             num_segments=C)
+  den = wh + jax.ops.segment_sum(we, seg, num_segments=C)
+  merged = num * jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)[..., None]
+  return out.at[home_of].set(merged.astype(out.dtype), mode="drop")
 
 
 def q_scratch(cfg):
@@ -477,7 +650,10 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   S, N, K = cfg.S, cfg.N, cfg.K
   if cfg.ragged:
     out_type = [jax.ShapeDtypeStruct((cfg.NT, K, ROWS, H), jnp.dtype(cfg.out_dtype))]
-    grid, names = (K, cfg.NT), ("kvh", "tile")
+    grid, names = (K, cfg.programs), ("kvh", "prog")
+  elif cfg.worklist:
+    out_type = work_list_out_types(cfg)
+    grid, names = (K, cfg.extra + S), ("kvh", "work")
   else:
     grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")
     if cfg.final:
@@ -502,6 +678,15 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   )
   res = call(*inputs)
   return res[0] if cfg.final else res
+
+
+def work_list_out_types(cfg):
+  """o_home [S, N, H] (output dtype), m/l_home [S, K, 64], o_ext [extra, N, H] f32, m/l_ext [extra, K, 64]."""
+  S, N, K, H, C = cfg.S, cfg.N, cfg.K, cfg.H, max(cfg.extra, 1)
+  f32 = jnp.float32
+  return [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype)), jax.ShapeDtypeStruct((S, K, ROWS), f32),
+          jax.ShapeDtypeStruct((S, K, ROWS), f32), jax.ShapeDtypeStruct((C, N, H), f32),
+          jax.ShapeDtypeStruct((C, K, ROWS), f32), jax.ShapeDtypeStruct((C, K, ROWS), f32)]
 
 
 def _num_sms() -> int:
@@ -536,7 +721,15 @@ def combine_splits(o_part, m_part, l_part, K, g):
 
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
                 sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
-                fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None):
+                fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None,
+                max_kv_len=None, work_list=None):
+  """Static kernel description.
+
+  work_list (dense decode with one compute warpgroup; None = WORK_LIST): the split count is chosen at run time
+  from the real lengths (decode_work_list); `splits` then forces every live sequence into that many chunks.
+  Otherwise (sparse decode, fp8_compute_wgs=2, work_list=False) the split count is static (choose_splits from
+  the table width, or from max_kv_len: an optional static bound on the kv lengths, a hint that only steers that
+  count; longer sequences still run correctly) and the real blocks are divided over the splits at run time."""
   S, N, H = q_shape
   P, G, K2, _ = pool_shape
   K = K2 // 2
@@ -575,19 +768,38 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
     n_blocks = table_cols * G // BK if G > BK else common.cdiv(table_cols, BK // G)
   else:
     tokens = table_cols * G
+    if max_kv_len is not None:
+      if int(max_kv_len) != max_kv_len or max_kv_len < 1:
+        raise ValueError(f"max_kv_len must be a positive int or None, got {max_kv_len}")
+      tokens = min(tokens, int(max_kv_len))
     if sliding_window is not None:
       tokens = min(tokens, sliding_window + BK)  # the window spans at most this many blocks
     n_blocks = common.cdiv(tokens, BK) + (1 if sliding_window is not None else 0)
   n_blocks = max(1, n_blocks)
-  if ragged_tiles:
+  programs = 0
+  work_list = WORK_LIST if work_list is None else bool(work_list)
+  worklist = work_list and not sparse and not ragged_tiles and compute_wgs == 1
+  extra = wave = forced = 0
+  if worklist:  # the split count is chosen at run time (decode_work_list); static: one wave's worth of extras
+    if splits is not None and int(splits) < 1:
+      raise ValueError(f"splits must be >= 1, got {splits}")
+    wave = max(1, _num_sms() * max(1, min(8, (228 * 1024) // (need + 1024))) // K)
+    forced = 0 if splits is None else int(splits)
+    extra = wave if not forced else (forced - 1) * S
     splits = 1
+  elif ragged_tiles:
+    splits = 1
+    # Persistent ragged grid: up to RAGGED_WAVES waves of programs (enough slack for the hardware scheduler to even
+    # out unequal items), never more than the list holds.
+    slots = _num_sms() * max(1, min(8, (228 * 1024) // (need + 1024)))
+    programs = max(1, min(ragged_tiles, common.cdiv(RAGGED_WAVES * slots, K)))
   elif splits is None:
     splits = choose_splits(S * K, n_blocks, split_policy, need)
   steps = common.cdiv(n_blocks, splits)
   splits = common.cdiv(n_blocks, steps)
   if ragged_tiles:
     N_pad = N
-  return KernelConfig(ragged=bool(ragged_tiles), NT=ragged_tiles, S=S, N=N_pad, K=K, g=g, G=G, H=H, P=P, Pmax=table_cols, BK=BK, stages=stages,
+  return KernelConfig(worklist=worklist, extra=extra, wave=wave, forced=forced, programs=programs, ragged=bool(ragged_tiles), NT=ragged_tiles, S=S, N=N_pad, K=K, g=g, G=G, H=H, P=P, Pmax=table_cols, BK=BK, stages=stages,
                       splits=splits, steps_per_split=steps, sparse=sparse,
                       fp8=jnp.dtype(pool_dtype).name if fp8 else None, scale=scale,
                       soft_cap=None if soft_cap is None else float(soft_cap),
@@ -611,7 +823,9 @@ def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
     raise ValueError(f"split_policy must be 'sms2' or 'waves', got {policy!r}")
   slots = sms * max(1, min(8, (228 * 1024) // (smem + 1024)))
   best, best_cost = 1, None
-  for sp in range(1, n_blocks + 1):
+  # Beyond 16 waves of programs the +2 per program outweighs any rounding gain: a wide block table (n_blocks ~ P)
+  # does not make the search long (nor can the split count exceed that).
+  for sp in range(1, min(n_blocks, max(1, 16 * slots // max(1, work))) + 1):
     steps = common.cdiv(n_blocks, sp)
     if common.cdiv(n_blocks, steps) != sp:  # same steps as a smaller count: not a distinct choice
       continue
@@ -654,9 +868,14 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
     from . import gpu_fp8  # local import: gpu_fp8 imports this module
     perm = gpu_fp8.widen_permutation(H)
     q = q[..., perm]
+  if cfg.worklist:
+    wl, chunks = decode_work_list(cfg, kv_lens_S)
+    extra = (wl,)
   res = kernel_call(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, kv_scales_PK, interpret=interpret,
                     q_scales=q_scales)
-  if cfg.final:
+  if cfg.worklist:
+    out = combine_work_list(res, wl, chunks, cfg)
+  elif cfg.final:
     out = res
   else:
     o_part, m_part, l_part = res
@@ -668,12 +887,20 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
                                              "interpret", "fp8_converters", "split_policy", "fp8_convert",
-                                             "fp8_compute_wgs", "fp8_qk"))
+                                             "fp8_compute_wgs", "fp8_qk", "max_kv_len", "work_list"))
 def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                                sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
                                interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None,
-                               fp8_compute_wgs=None, fp8_qk=None):
+                               fp8_compute_wgs=None, fp8_qk=None, max_kv_len=None, work_list=None):
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
+
+  Cost follows kv_lens, not the table width nor the number of slots: by default (work_list, WORK_LIST) each live
+  sequence is cut at run time into chunks in proportion to its real length so that one wave of programs shares
+  out the real work (decode_work_list), a kv_len-0 slot's program exits at once (no q, no pages, no store), and
+  only split sequences are merged afterwards (combine_work_list). `splits` forces that many chunks per sequence.
+  work_list=False (and fp8_compute_wgs=2): the older static split count (choose_splits / split_policy, from the
+  table width or the static hint max_kv_len), still with the real blocks divided over the splits at run time
+  and idle programs skipping q and pages.
 
   fp8_converters: fp8 pools only; 0 = conversion inline in the one warpgroup, > 0 = warp-specialized kernel
   (gpu_fp8.py) with that many converter warpgroups; None = FP8_CONVERTERS. split_policy: see choose_splits;
@@ -688,32 +915,88 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
                            p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy,
-                           fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk)
+                           fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk,
+                           max_kv_len=max_kv_len, work_list=work_list)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 
-def ragged_tile_info(cu_q_lens_S1, kv_lens_S, T: int, tq: int):
-  """Cuts each sequence's query rows into tiles of tq tokens.
+def _count_le(vals, n: int):
+  """[n] int32: for i in 0..n-1, the number of entries of (sorted) vals that are <= i = searchsorted(vals, i,
+  "right"). compare_all: one fused comparison; the default "scan" method is a while loop (~log2 launches on a GPU;
+  an all-empty ragged call took 60 us on the H200 with it, 20 us without). A histogram + cumsum was slower
+  still on the H200 (18 vs 4 us for the whole work list at S = 4)."""
+  return jnp.searchsorted(vals, jnp.arange(n, dtype=vals.dtype), side="right", method="compare_all").astype(jnp.int32)
 
-  Returns (tile_info [NT, 4] int32 = (sequence, first token row, valid tokens, position of first token),
-  tile of each sequence's first tile [S]). NT = T // tq + S + 1 is a static bound; unused tiles have 0 tokens.
+
+def ragged_work_items(cu_q_lens_S1, kv_lens_S, T: int, tq: int):
+  """The ragged kernels' work list: one item per (q tile, sequence) pair that has work.
+
+  q is cut into NQ = cdiv(T, tq) fixed tiles of tq consecutive rows (so the tile-major q costs O(T), whatever S
+  is); a sequence with query rows AND kv_len > 0 gets one item per tile its rows touch. Sequences at kv_len 0
+  (padding slots, decode rows handled by the decode kernel) and rows past cu_q_lens[S] get no item: their output
+  rows are zeros (the wrapper masks them). Items are packed at the front; the rest of the static list (NI =
+  NQ + min(S, T) - 1 bounds the count: neighbouring sequences share at most one tile) is empty (p_lo = p_hi).
+
+  Returns (info [NI, 5] int32 = (sequence, q tile, position of the tile's first row, p_lo, p_hi) with [p_lo, p_hi)
+  the positions of the item's own rows (rows of other sequences in the tile are computed and thrown away),
+  item_T [T] = the item holding each row (clipped; meaningful where has_T), has_T [T] = row has an item,
+  n_items = the number of real items (int32 scalar), NI, NQ).
   """
   S = kv_lens_S.shape[0]
-  NT = T // tq + S + 1
-  q_lens = cu_q_lens_S1[1:] - cu_q_lens_S1[:-1]
-  n_tiles = (jnp.maximum(q_lens, 0) + tq - 1) // tq
-  tile_end = jnp.cumsum(n_tiles)
-  tile_start = tile_end - n_tiles
-  i = jnp.arange(NT, dtype=jnp.int32)
-  seq = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
-  valid = seq < S
-  seq = jnp.clip(seq, 0, S - 1)
-  j = i - tile_start[seq]
-  tok0 = cu_q_lens_S1[seq] + j * tq
-  ntok = jnp.where(valid, jnp.clip(q_lens[seq] - j * tq, 0, tq), 0)
-  qpos0 = kv_lens_S[seq] - q_lens[seq] + j * tq
-  info = jnp.stack([seq, jnp.where(valid, tok0, 0), ntok, qpos0], axis=-1).astype(jnp.int32)
-  return info, tile_start.astype(jnp.int32), NT
+  NQ = max(1, common.cdiv(T, tq))
+  NI = max(1, NQ + min(S, T) - 1)
+  cu = cu_q_lens_S1.astype(jnp.int32)
+  q_lens = cu[1:] - cu[:-1]
+  lo = jnp.clip(cu[:-1], 0, T)
+  hi = jnp.clip(cu[1:], lo, T)
+  work = (hi > lo) & (kv_lens_S > 0)
+  ft = lo // tq
+  n_items = jnp.where(work, (hi - 1) // tq - ft + 1, 0)
+  item_end = jnp.cumsum(n_items)
+  item_start = item_end - n_items
+  i = jnp.arange(NI, dtype=jnp.int32)
+  seq = jnp.clip(_count_le(item_end, NI), 0, S - 1)
+  valid = i < item_end[-1]
+  tile = ft[seq] + i - item_start[seq]
+  base = kv_lens_S[seq] - q_lens[seq] - cu[:-1][seq]  # position of row t of sequence seq = base + t
+  row0 = tile * tq
+  p_lo = base + jnp.maximum(lo[seq], row0)
+  p_hi = base + jnp.minimum(hi[seq], row0 + tq)
+  info = jnp.stack([jnp.where(valid, seq, 0), jnp.where(valid, jnp.clip(tile, 0, NQ - 1), 0),
+                    jnp.where(valid, base + row0, 0), jnp.where(valid, p_lo, 0), jnp.where(valid, p_hi, 0)],
+                   axis=-1).astype(jnp.int32)
+  t = jnp.arange(T, dtype=jnp.int32)  # the sequence of each row, as reference.query_positions defines it
+  seg_T = jnp.clip(_count_le(cu, T) - 1, 0, S - 1)
+  has_T = work[seg_T] & (t >= lo[seg_T]) & (t < hi[seg_T])
+  item_T = jnp.clip(item_start[seg_T] + t // tq - ft[seg_T], 0, NI - 1)
+  # Materialized once (small): left fusible, XLA recomputed them inside the [T, N, H] output gather (H200: +33 us
+  # at S = 256).
+  info, item_T, has_T, n_items = lax.optimization_barrier((info, item_T, has_T, item_end[-1].astype(jnp.int32)))
+  return info, item_T, has_T, n_items, NI, NQ
+
+
+def tile_major_q(q_TNH, K, tq, NQ, rows, dtype):
+  """q [T, N, H] -> [NQ, K, rows, H]: tile j, kv head k holds rows j*tq .. j*tq+tq-1, each as its g query heads
+  (row = token-in-tile * g + head-in-group), zero rows past T and past tq * g."""
+  T, N, H = q_TNH.shape
+  g = N // K
+  q = q_TNH.astype(dtype)
+  if NQ * tq != T:
+    q = jnp.pad(q, ((0, NQ * tq - T), (0, 0), (0, 0)))
+  q = q.reshape(NQ, tq, K, g, H).transpose(0, 2, 1, 3, 4).reshape(NQ, K, tq * g, H)
+  if tq * g != rows:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - tq * g), (0, 0)))
+  return q
+
+
+def gather_item_rows(o_items, item_T, has_T, tq, g, dtype):
+  """Per-item outputs [NI, K, >= tq*g, H] -> [T, N, H]: row t from its item, zeros where has_T is False."""
+  NI, K, _, H = o_items.shape
+  T = item_T.shape[0]
+  t = jnp.arange(T, dtype=jnp.int32)
+  o = o_items[:, :, :tq * g].reshape(NI, K, tq, g, H)[item_T, :, t % tq]  # [T, K, g, H]
+  o = jnp.where(has_T[:, None, None, None], o, 0)
+  return o.reshape(T, K * g, H).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_kv", "stages",
@@ -721,32 +1004,21 @@ def ragged_tile_info(cu_q_lens_S1, kv_lens_S, T: int, tq: int):
 def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None,
                         soft_cap=None, sliding_window=None, kv_scales_PK=None, block_kv=None, stages=None,
                         interpret=False):
-  """Mosaic GPU ragged (prefill / mixed) paged attention. Raises Unsupported for shapes it cannot run."""
+  """Mosaic GPU ragged (prefill / mixed) paged attention. Raises Unsupported for shapes it cannot run.
+
+  Cost follows the work: rows of sequences at kv_len 0 (and padding rows) get no work item (zeros); an item
+  reads only the kv blocks its rows can see; the tile-major copy of q is O(T) (ragged_work_items)."""
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
   T = q_TNH.shape[0]
   tq = ROWS // g  # tokens per tile; a group that does not divide 64 leaves 64 - tq * g zero rows (discarded)
-  used = tq * g
-  info, tile_start, NT = ragged_tile_info(cu_q_lens_S1, kv_lens_S, T, tq)
+  info, item_T, has_T, n_items, NI, NQ = ragged_work_items(cu_q_lens_S1, kv_lens_S, T, tq)
+  info = jnp.concatenate([info, jnp.zeros((1, info.shape[1]), jnp.int32).at[0, 0].set(n_items)])  # + the count
   cfg = make_config((S, N, H), kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                     scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                     out_dtype=jnp.dtype(q_TNH.dtype).name, block_kv=block_kv, stages=stages, p_via_smem=interpret,
-                    ragged_tiles=NT)
-  # Tile-major q [NT, K, 64, H] (row = token-in-tile * g + head-in-group): aligned TMA boxes, zero padding.
-  tok = info[:, 1:2] + jnp.arange(tq, dtype=jnp.int32)[None, :]  # [NT, tq]
-  tok_ok = jnp.arange(tq)[None, :] < info[:, 2:3]
-  q = q_TNH.astype(cfg.compute_dtype)[jnp.clip(tok, 0, T - 1)]  # [NT, tq, N, H]
-  q = jnp.where(tok_ok[:, :, None, None], q, 0).reshape(NT, tq, K, g, H).transpose(0, 2, 1, 3, 4)
-  q = q.reshape(NT, K, used, H)
-  if used != ROWS:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - used), (0, 0)))
-  o_tiles = kernel_call(cfg, q, kv_pages_PGKH, block_tables_SP, kv_lens_S, (info,), kv_scales_PK,
-                        interpret=interpret)  # [NT, K, 64, H]
-  from .reference import query_positions  # local import: reference is jnp-only, no cycle at module load
-  seg_T, _, valid_T = query_positions(cu_q_lens_S1, kv_lens_S, T)
-  t = jnp.arange(T, dtype=jnp.int32)
-  within = t - cu_q_lens_S1[seg_T]
-  tile_T = jnp.clip(tile_start[seg_T] + within // tq, 0, NT - 1)
-  o = o_tiles[:, :, :used].reshape(NT, K, tq, g, H)[tile_T, :, within % tq]  # [T, K, g, H]
-  o = jnp.where(valid_T[:, None, None, None], o, 0)
-  return o.reshape(T, N, H).astype(q_TNH.dtype)
+                    ragged_tiles=NI)
+  q = tile_major_q(q_TNH, K, tq, NQ, ROWS, cfg.compute_dtype)  # [NQ, K, 64, H]: aligned TMA boxes
+  o_items = kernel_call(cfg, q, kv_pages_PGKH, block_tables_SP, kv_lens_S, (info,), kv_scales_PK,
+                        interpret=interpret)  # [NI, K, 64, H]; items without rows are never written
+  return gather_item_rows(o_items, item_T, has_T, tq, g, q_TNH.dtype)

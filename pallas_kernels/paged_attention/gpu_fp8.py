@@ -61,7 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu import M_INIT, ROWS, _tiles, block_walk, column_positions, online_softmax_step, page_columns, q_scratch
+from .gpu import (M_INIT, ROWS, _tiles, block_walk, column_positions, online_softmax_step, page_columns, q_scratch,
+                  store_work_item, work_list_out_types)
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -77,7 +78,7 @@ def smem_bytes_ws(BK, H, stages, converters, compute_wgs=1, qk8=False):
   """Estimate: q tile + fp8 ring + union(f16 staging, output staging per compute warpgroup) + barriers.
   qk8: e4m3 q tile + its row scales, and only V is staged in f16."""
   staging = staging_slots(converters, compute_wgs) * (1 if qk8 else 2) * BK * H * 2
-  out = compute_wgs * (ROWS * H * 4 + 2 * ROWS * 4)
+  out = compute_wgs * (ROWS * H * 8 + 2 * ROWS * 4)  # work-list decode: output-dtype (<= f32) + f32 staging
   q = ROWS * H + ROWS * 4 if qk8 else ROWS * H * 2
   return q + stages * 2 * BK * H + max(staging, out) + 1024
 
@@ -142,6 +143,7 @@ def _widen_bits(src32, dst32, fp8_name):
 def _kernel_ws(cfg, C, *refs):
   it = iter(refs)
   q_ref, kv_ref, bt_ref, lens_ref = next(it), next(it), next(it), next(it)
+  wl_ref = next(it) if cfg.worklist else None
   nsel_ref = next(it) if cfg.sparse else None
   lp_ref = next(it) if cfg.sparse else None
   sc_ref = next(it)
@@ -149,6 +151,7 @@ def _kernel_ws(cfg, C, *refs):
   o_ref = next(it)
   m_ref = None if cfg.final else next(it)
   l_ref = None if cfg.final else next(it)
+  ext_refs = (next(it), next(it), next(it)) if cfg.worklist else None
   q_smem, ring, union, tma_bars, ready_bars, free_bars, q_bar = (next(it) for _ in range(7))
   Q = cfg.compute_wgs
   done_bar = next(it) if Q > 1 else None
@@ -160,7 +163,8 @@ def _kernel_ws(cfg, C, *refs):
   staged16 = union[0]  # (k16, v16), or (v16,) with qk8
   k16, v16 = (None, staged16[0]) if cfg.qk8 else staged16
   k32, v32 = union[1] if cfg.fp8_bits else (None, None)
-  o_all, ml_all = union[-1]
+  o_all, ml_all = union[-1][:2]
+  of_all = union[-1][2] if cfg.worklist else None  # work-list decode: f32 staging of extra-chunk outputs
 
   G, BK, spp, g = cfg.G, cfg.BK, cfg.spp, cfg.g
   cdt = jnp.dtype(jnp.float16)
@@ -168,10 +172,16 @@ def _kernel_ws(cfg, C, *refs):
   widen = E4M3_BITS_FACTOR if (cfg.fp8_bits and jnp.dtype(cfg.fp8) == jnp.dtype(jnp.float8_e4m3fn)) else 1.0
   wg = lax.axis_index("wg")
   k = lax.axis_index("kvh")
-  s = lax.axis_index("seq")
-  sp = lax.axis_index("split")
+  nsp = None
+  if cfg.worklist:
+    w = lax.axis_index("work")
+    s, sp, nsp = wl_ref[w, 0], wl_ref[w, 1], wl_ref[w, 2]
+  else:
+    s = lax.axis_index("seq")
+    sp = lax.axis_index("split")
   kv_len = lens_ref[s]
-  b_lo, n_steps, block_pages, logical_page = block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref)
+  b_lo, n_steps, block_pages, logical_page = block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref,
+                                                        nsplit=nsp)
 
   def issue(b, slot, pages):
     if spp == 1:
@@ -272,12 +282,13 @@ def _kernel_ws(cfg, C, *refs):
       if cfg.qk8:
         plgpu.copy_gmem_to_smem(qs_ref.at[s, pl.ds(r0, ROWS)], qs_smem, q_bar)
 
+    busy = n_steps > 0  # False: kv_len 0 or a split past the real length: no q load, no pages, neutral output
     if Q > 1:
-      pl.when(c == 0)(load_q)  # one q load, shared by the compute warpgroups
+      pl.when(busy & (c == 0))(load_q)  # one q load, shared by the compute warpgroups
     else:
-      load_q()
+      pl.when(busy)(load_q)
     local = k * g - r0
-    plgpu.barrier_wait(q_bar)
+    pl.when(busy)(lambda: plgpu.barrier_wait(q_bar))
     if cfg.qk8:
       qs_row = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(1))
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
@@ -338,6 +349,10 @@ def _kernel_ws(cfg, C, *refs):
       plgpu.barrier_arrive(done_bar)
       plgpu.barrier_wait(done_bar)
     o_smem, ml_smem = o_all.at[c], ml_all.at[c]
+    if cfg.worklist:  # idle items write nothing; see gpu.store_work_item
+      pl.when(busy)(lambda: store_work_item(cfg, w, s, k, local, acc, m_i, l_i, o_ref, m_ref, l_ref, ext_refs,
+                                            o_smem, of_all.at[0], ml_smem))
+      return
     if cfg.final:
       inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
       o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
@@ -374,7 +389,11 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   union = [tuple(plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt)) for _ in staged)]
   if cfg.fp8_bits:  # 32-bit-word views of the same staging bytes, for the integer widening
     union.append(tuple(plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2)) for _ in staged))
-  union.append((plgpu.SMEM((Q, ROWS, H), out_dtype), plgpu.SMEM((Q, 2, ROWS), jnp.float32)))
+  if cfg.worklist:  # home rows in the output dtype, extra-chunk rows in f32
+    union.append((plgpu.SMEM((Q, ROWS, H), jnp.dtype(cfg.out_dtype)), plgpu.SMEM((Q, 2, ROWS), jnp.float32),
+                  plgpu.SMEM((Q, ROWS, H), jnp.float32)))
+  else:
+    union.append((plgpu.SMEM((Q, ROWS, H), out_dtype), plgpu.SMEM((Q, 2, ROWS), jnp.float32)))
   scratch = [
       q_scratch(cfg),
       # fp8 ring, and its 32-bit-word view (same bytes: 8-row tiles of H bytes, same swizzle) for the bit trick
@@ -397,7 +416,10 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   if cfg.qk8:
     scratch += [plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages)]
   grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")
-  if cfg.final:
+  if cfg.worklist:
+    grid, names = (K, cfg.extra + S), ("kvh", "work")
+    out_type = work_list_out_types(cfg)
+  elif cfg.final:
     out_type = [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype))]
   else:
     parts = cfg.splits * Q

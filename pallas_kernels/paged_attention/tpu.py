@@ -1,14 +1,21 @@
 """Mosaic TPU paged attention kernels: decode (optionally over a sparse page selection) and ragged prefill.
 
-Why it exists: the TPU counterpart of gpu.py, same semantics. Block tables, lengths and the per-tile work list
-are scalar-prefetched into SMEM (PrefetchScalarGridSpec); the pool stays in HBM (memory_space=ANY) and each
-program walks its sequence's pages with manual async DMAs, double-buffered: block b+1 is in flight while block
-b is computed. One program = (sequence, kv head) for decode, (query tile, kv head) for ragged prefill; all g
-query heads of the kv head (and, for prefill, 64/g tokens) are the rows of one MXU matmul.
+Why it exists: the TPU counterpart of gpu.py, same semantics. Lengths (and the ragged work list) are
+scalar-prefetched into SMEM (PrefetchScalarGridSpec); the pool AND the block tables stay in HBM (memory_space=ANY):
+each program walks its sequence's pages with manual async DMAs, double-buffered (block b+1 in flight while block b
+is computed), and fetches the page ids of block b+2 by a small DMA into a 3-slot SMEM ring. One program =
+(sequence, kv head) for decode, (kv head, work item) for ragged prefill (gpu.ragged_work_items: q tiles x
+sequences with kv_len > 0); all g query heads of the kv head (and, for prefill, 64/g tokens) are the rows of one
+MXU matmul.
 
-fp8 pools: the DMA brings fp8 pages; the kernel converts in VMEM to f32. Scales are per (page, kv head, K/V);
-the wrapper expands them to one value per kv token of the sequence's page list ([S, K, 2, L] f32, ~3% of the
-fp8 KV bytes) so the kernel reads them as an aligned lane slice instead of scattered scalars.
+Cost follows the real lengths, not the table width Pmax: nothing is sized by Pmax except the HBM table itself.
+(Before: the whole [S, Pmax] table was scalar-prefetched into SMEM, ~1 MiB on TPUs up to v6e, so e.g. 64
+sequences x 8192 pages did not fit; fp8 scales were expanded by the wrapper to [S, K, 2, Pmax * G] f32, i.e.
+O(S * Pmax) bytes per call.) Ragged padding items (the static list's tail) point at the last real item's q tile
+and output block, so the pipeline neither fetches nor writes back anything for them.
+
+fp8 pools: the DMA brings fp8 pages; the kernel converts in VMEM to f32. Scales are per (page, kv head, K/V): each
+page's row of kv_scales_PK (2K floats) is DMA'd into SMEM next to its K/V and applied per column group.
 
 Status: checked by the TPU interpreter (tests) and by exporting for the tpu platform; never run on a TPU
 (none available here), so Mosaic's own compiler passes (layouts of the strided page DMAs, VMEM limits) and
@@ -64,86 +71,127 @@ def check_supported(G, H, g):
 
 def _kernel(cfg: TpuConfig, *refs):
   it = iter(refs)
-  lens_ref, bt_ref = next(it), next(it)
+  lens_ref = next(it)
   info_ref = next(it) if cfg.ragged else None
   nsel_ref = next(it) if cfg.sparse else None
   lp_ref = next(it) if cfg.sparse else None
-  q_ref, kv_hbm, rowtok_ref = next(it), next(it), next(it)
-  sc_ref = next(it) if cfg.fp8 else None
-  o_ref, kbuf, vbuf, sems = next(it), next(it), next(it), next(it)
+  q_ref, kv_hbm, bt_hbm, rowtok_ref = next(it), next(it), next(it), next(it)
+  sc_hbm = next(it) if cfg.fp8 else None
+  o_ref, kbuf, vbuf, ids, sems, id_sems = next(it), next(it), next(it), next(it), next(it), next(it)
+  scbuf = next(it) if cfg.fp8 else None
 
-  G, BK, ppb, R = cfg.G, cfg.BK, cfg.ppb, cfg.R
-  i0 = pl.program_id(0)
-  k = pl.program_id(1)
-  if cfg.ragged:
-    s = info_ref[4 * i0]
-    ntok = info_ref[4 * i0 + 2]
-    qpos0 = info_ref[4 * i0 + 3]
+  G, BK, ppb, R, K = cfg.G, cfg.BK, cfg.ppb, cfg.R, cfg.K
+  K2 = 2 * K
+  if cfg.ragged:  # grid (kv head, work item): consecutive items of one kv head run in order (see _call)
+    k = pl.program_id(0)
+    i0 = pl.program_id(1)
+    s = info_ref[INFO * i0]
+    qpos0 = info_ref[INFO * i0 + 2]
+    p_lo, p_hi = info_ref[INFO * i0 + 3], info_ref[INFO * i0 + 4]
   else:
-    s = i0
+    s = pl.program_id(0)
+    k = pl.program_id(1)
   kv_len = lens_ref[s]
 
+  # The block range comes from the real lengths only (never from the table width Pmax).
   if cfg.sparse:
-    nsel = nsel_ref[s * cfg.K + k]
+    nsel = nsel_ref[s * K + k]
     first, last = jnp.int32(0), lax.div(nsel + ppb - 1, ppb)
   elif cfg.ragged:
-    last = jnp.where(ntok > 0, lax.div(qpos0 + ntok + BK - 1, BK), 0)
-    first = jnp.int32(0) if cfg.window is None else lax.div(jnp.maximum(qpos0 - cfg.window + 1, 0), BK)
+    last = jnp.where(p_hi > p_lo, lax.div(jnp.minimum(p_hi, kv_len) + BK - 1, BK), 0)
+    first = jnp.int32(0) if cfg.window is None else lax.div(jnp.maximum(p_lo - cfg.window + 1, 0), BK)
   else:
-    last = lax.div(kv_len + BK - 1, BK)
+    last = lax.div(jnp.maximum(kv_len, 0) + BK - 1, BK)
     first = jnp.int32(0) if cfg.window is None else lax.div(jnp.maximum(kv_len - cfg.window, 0), BK)
   n = jnp.maximum(last - first, 0)
 
-  def table(idx):
-    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
-    if cfg.sparse:
-      return (s * cfg.K + k) * cfg.Pmax + idx
-    return s * cfg.Pmax + idx
+  # Page ids are fetched on demand: the table stays in HBM (all of it in SMEM would not fit at a wide Pmax), and
+  # block b's NID ids arrive by one small DMA into a 3-slot SMEM ring two blocks ahead of their use.
+  NID = min(ppb, cfg.Pmax)
+  row = s * K + k if cfg.sparse else s  # the page-id row of this program in the [rows, Pmax] table (HBM)
 
-  def copies(b, slot):
+  def id_start(b):
+    return jnp.clip(b * ppb, 0, cfg.Pmax - NID)
+
+  def id_copy(b, islot):
+    return pltpu.make_async_copy(bt_hbm.at[row, pl.ds(id_start(b), NID)], ids.at[pl.ds(islot * NID, NID)],
+                                 id_sems.at[islot])
+
+  def page(b, islot, j):
+    return ids[islot * NID + jnp.minimum(b * ppb + j, cfg.Pmax - 1) - id_start(b)]
+
+  def copies(b, slot, islot):
     out = []
     for j in range(ppb):
-      pg = bt_ref[table(b * ppb + j)]
+      pg = page(b, islot, j)
       out.append(pltpu.make_async_copy(kv_hbm.at[pg, :, 2 * k, :], kbuf.at[slot, pl.ds(j * G, G), :],
                                        sems.at[0, slot]))
       out.append(pltpu.make_async_copy(kv_hbm.at[pg, :, 2 * k + 1, :], vbuf.at[slot, pl.ds(j * G, G), :],
                                        sems.at[1, slot]))
+      if cfg.fp8:  # the page's 2K scales (K and V of every kv head: one contiguous row) into SMEM
+        out.append(pltpu.make_async_copy(sc_hbm.at[pg], scbuf.at[pl.ds((slot * ppb + j) * K2, K2)],
+                                         sems.at[2, slot]))
     return out
 
   @pl.when(n > 0)
   def _():
-    for c in copies(first, 0):
+    c = id_copy(first, 0)
+    c.start()
+    c.wait()
+    for c in copies(first, 0, 0):
       c.start()
+
+  @pl.when(n > 1)
+  def _():
+    id_copy(first + 1, 1).start()
 
   q = q_ref[...].astype(jnp.float32)  # [R, H]
   col = lax.broadcasted_iota(jnp.int32, (1, BK), 1)
   if cfg.ragged:
     qpos = qpos0 + rowtok_ref[...]  # [R, 1]
 
+  def page_row(vals):
+    """[1, BK] row whose column c holds vals[c // G] (ppb per-page scalars)."""
+    if len(vals) == 1:
+      return jnp.full((1, BK), vals[0], jnp.float32)
+    pj = lax.shift_right_logical(col, G.bit_length() - 1)
+    res = jnp.full((1, BK), vals[-1], jnp.float32)
+    for j in range(len(vals) - 2, -1, -1):
+      res = jnp.where(pj == j, vals[j], res)
+    return res
+
   def body(i, carry):
     acc, m_i, l_i = carry
     b = first + i
     slot = lax.rem(i, 2)
+    islot = lax.rem(i, 3)
 
     @pl.when(i + 1 < n)
     def _():
-      for c in copies(b + 1, 1 - slot):
+      nis = lax.rem(i + 1, 3)
+      id_copy(b + 1, nis).wait()
+      for c in copies(b + 1, 1 - slot, nis):
         c.start()
 
-    for c in copies(b, slot):
+    @pl.when(i + 2 < n)
+    def _():
+      id_copy(b + 2, lax.rem(i + 2, 3)).start()
+
+    for c in copies(b, slot, islot):
       c.wait()
     kk = kbuf[slot].astype(jnp.float32)  # [BK, H]
     vv = vbuf[slot].astype(jnp.float32)
     logits = lax.dot_general(q, kk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * cfg.scale
     if cfg.fp8:
-      base = pl.multiple_of(b * BK, BK)
-      logits = logits * sc_ref[0:1, pl.ds(base, BK)]
+      base = slot * ppb * K2
+      logits = logits * page_row([scbuf[base + j * K2 + 2 * k] for j in range(ppb)])
     if cfg.soft_cap is not None:
       logits = jnp.tanh(logits / cfg.soft_cap) * cfg.soft_cap
     if cfg.sparse:
       pos = jnp.zeros((1, BK), jnp.int32)
       for j in range(ppb):
-        lp = jnp.where(b * ppb + j < nsel, lp_ref[table(b * ppb + j)], 1 << 20)  # past the count: masked
+        e = b * ppb + j
+        lp = jnp.where(e < nsel, lp_ref[(s * K + k) * cfg.Pmax + jnp.minimum(e, cfg.Pmax - 1)], 1 << 20)
         pos = jnp.where(lax.shift_right_logical(col, G.bit_length() - 1) == j, lp * G + col - j * G, pos) \
             if ppb > 1 else lp * G + col
     else:
@@ -161,42 +209,65 @@ def _kernel(cfg: TpuConfig, *refs):
     p = jnp.exp(logits - m_new)
     l_i = l_i * alpha + jnp.sum(p, axis=1, keepdims=True)
     if cfg.fp8:
-      p = p * sc_ref[1:2, pl.ds(base, BK)]
+      p = p * page_row([scbuf[base + j * K2 + 2 * k + 1] for j in range(ppb)])
     acc = acc * alpha + jnp.dot(p, vv, preferred_element_type=jnp.float32)
     return acc, m_new, l_i
 
   init = (jnp.zeros((R, cfg.H), jnp.float32), jnp.full((R, 1), -1e30, jnp.float32), jnp.zeros((R, 1), jnp.float32))
   acc, m_i, l_i = lax.fori_loop(0, n, body, init)
   inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
-  o_ref[...] = (acc * inv).astype(o_ref.dtype)
 
+  def write():
+    o_ref[...] = (acc * inv).astype(o_ref.dtype)
 
-def _call(cfg: TpuConfig, prefetch, q, kv_pages_PGKH, rowtok, sc, *, interpret):
-  """q: decode [S, K, R, H]; ragged [NT, K, R, H]. Returns the same shape in cfg.out_dtype."""
-  n_pref = len(prefetch)
-  grid = (q.shape[0], cfg.K)
-  if cfg.ragged:
-    sc_map = lambda i, k, *pref: (pref[2][4 * i], k, 0, 0)
+  if cfg.ragged:  # an empty item leaves the resident output block (its predecessor's) untouched; see _call
+    pl.when(p_hi > p_lo)(write)
   else:
-    sc_map = lambda i, k, *pref: (i, k, 0, 0)
-  in_specs = [pl.BlockSpec((None, None, cfg.R, cfg.H), lambda i, k, *_: (i, k, 0, 0)),
+    write()
+
+
+INFO = 6  # ragged work-item row in SMEM: gpu.ragged_work_items' 5 columns + the output block (see _call)
+
+
+def _call(cfg: TpuConfig, prefetch, q, kv_pages_PGKH, bt_rows, rowtok, kv_scales_PK, *, interpret, n_out=None):
+  """q: decode [S, K, R, H]; ragged [NQ, K, R, H] q tiles. Returns decode [S, K, R, H], ragged [n_out, K, R, H].
+
+  Ragged grid (K, items) with items innermost: item i reads q tile info[i, 1] and writes output block
+  info[i, 5]. The wrapper points every empty item (the static list's padding) at the last real item's tile and
+  output block, so the pipeline neither fetches nor writes back anything for it (same block indices as the
+  program before) and the kernel skips its store: padding items cost a grid step, no DMA.
+  """
+  if cfg.ragged:
+    grid = (cfg.K, n_out)
+    q_map = lambda k, i, *pref: (pref[1][INFO * i + 1], k, 0, 0)
+    o_map = lambda k, i, *pref: (pref[1][INFO * i + 5], k, 0, 0)
+    out_shape = (n_out,) + q.shape[1:]
+  else:
+    grid = (q.shape[0], cfg.K)
+    q_map = o_map = lambda i, k, *_: (i, k, 0, 0)
+    out_shape = q.shape
+  in_specs = [pl.BlockSpec((None, None, cfg.R, cfg.H), q_map),
               pl.BlockSpec(memory_space=pl.ANY),
-              pl.BlockSpec((cfg.R, 1), lambda i, k, *_: (0, 0))]
-  inputs = [q, kv_pages_PGKH, rowtok]
+              pl.BlockSpec(memory_space=pl.ANY),
+              pl.BlockSpec((cfg.R, 1), lambda *_: (0, 0))]
+  inputs = [q, kv_pages_PGKH, bt_rows, rowtok]
   if cfg.fp8:
-    in_specs.append(pl.BlockSpec((None, None, 2, sc.shape[-1]), sc_map))
-    inputs.append(sc)
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    inputs.append(kv_scales_PK)
   pool_dt = kv_pages_PGKH.dtype
+  nid = min(cfg.ppb, cfg.Pmax)
   scratch = [pltpu.VMEM((2, cfg.BK, cfg.H), pool_dt), pltpu.VMEM((2, cfg.BK, cfg.H), pool_dt),
-             pltpu.SemaphoreType.DMA((2, 2))]
-  del n_pref
+             pltpu.SMEM((3 * nid,), jnp.int32), pltpu.SemaphoreType.DMA((3 if cfg.fp8 else 2, 2)),
+             pltpu.SemaphoreType.DMA((3,))]
+  if cfg.fp8:
+    scratch.append(pltpu.SMEM((2 * cfg.ppb * 2 * cfg.K,), jnp.float32))
   return pl.pallas_call(
       functools.partial(_kernel, cfg),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
-          out_specs=pl.BlockSpec((None, None, cfg.R, cfg.H), lambda i, k, *_: (i, k, 0, 0)),
+          out_specs=pl.BlockSpec((None, None, cfg.R, cfg.H), o_map),
           scratch_shapes=scratch),
-      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.dtype(cfg.out_dtype)),
+      out_shape=jax.ShapeDtypeStruct(out_shape, jnp.dtype(cfg.out_dtype)),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=pltpu.InterpretParams() if interpret else False,
   )(*prefetch, *inputs)
@@ -204,20 +275,6 @@ def _call(cfg: TpuConfig, prefetch, q, kv_pages_PGKH, rowtok, sc, *, interpret):
 
 def _block(G):
   return max(G, 256)
-
-
-def _expanded_scales(kv_scales_PK, pages_SxP, K, G, L_pad):
-  """Per-token scales along a page list: [S, K, 2, L_pad] f32 (pages_SxP: [S, P] shared or [S, K, P])."""
-  if pages_SxP.ndim == 2:
-    sc = kv_scales_PK[pages_SxP]  # [S, P, 2K]
-    sc = sc.reshape(sc.shape[0], sc.shape[1], K, 2).transpose(0, 2, 3, 1)  # [S, K, 2, P]
-  else:
-    sc = kv_scales_PK[pages_SxP]  # [S, K, P, 2K]
-    kk = jnp.arange(K)
-    sc = sc.reshape(*sc.shape[:3], K, 2)[:, kk, :, kk, :]  # [K, S, P, 2]
-    sc = sc.transpose(1, 0, 3, 2)  # [S, K, 2, P]
-  sc = jnp.repeat(sc, G, axis=-1)
-  return jnp.pad(sc, ((0, 0), (0, 0), (0, 0), (0, L_pad - sc.shape[-1])))
 
 
 def _make_cfg(q_shape_SNH, kv_pages_PGKH, Pmax, *, ragged, sparse, scale, soft_cap, sliding_window, out_dtype, R):
@@ -242,15 +299,12 @@ def decode_core(q_SNH, kv_pages_PGKH, pages, kv_lens_S, kv_scales_PK, nsel_SK=No
   cfg = _make_cfg(q_SNH.shape, kv_pages_PGKH, Pmax, ragged=False, sparse=sparse, scale=scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, out_dtype=jnp.dtype(q_SNH.dtype).name, R=g)
   q = q_SNH.reshape(S, K, g, H)
-  prefetch = [kv_lens_S, pages.reshape(-1)]
+  prefetch = [kv_lens_S]
   if sparse:
     prefetch += [nsel_SK.reshape(-1).astype(jnp.int32), lp.reshape(-1).astype(jnp.int32)]
-  sc = None
-  if cfg.fp8:
-    L_pad = common.cdiv(Pmax * cfg.G, cfg.BK) * cfg.BK
-    sc = _expanded_scales(kv_scales_PK, pages, K, cfg.G, L_pad)
   rowtok = jnp.zeros((g, 1), jnp.int32)
-  out = _call(cfg, prefetch, q, kv_pages_PGKH, rowtok, sc, interpret=interpret)
+  out = _call(cfg, prefetch, q, kv_pages_PGKH, pages.reshape(-1, Pmax).astype(jnp.int32), rowtok, kv_scales_PK,
+              interpret=interpret)
   return out.reshape(S, N, H)
 
 
@@ -267,9 +321,8 @@ def paged_decode_attention_tpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
 def paged_attention_tpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None,
                         soft_cap=None, sliding_window=None, kv_scales_PK=None, interpret=False):
-  """Mosaic TPU ragged (prefill / mixed) paged attention."""
-  from .gpu import ragged_tile_info  # shared pure-jnp work-list builder
-  from .reference import query_positions
+  """Mosaic TPU ragged (prefill / mixed) paged attention (work list: gpu.ragged_work_items)."""
+  from .gpu import gather_item_rows, ragged_work_items, tile_major_q  # shared pure-jnp work-list helpers
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
   T = q_TNH.shape[0]
@@ -278,23 +331,16 @@ def paged_attention_tpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   Pmax = block_tables_SP.shape[1]
   cfg = _make_cfg((S, N, H), kv_pages_PGKH, Pmax, ragged=True, sparse=False, scale=scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, out_dtype=jnp.dtype(q_TNH.dtype).name, R=R)
-  info, tile_start, NT = ragged_tile_info(cu_q_lens_S1, kv_lens_S, T, tq)
-  tok = info[:, 1:2] + jnp.arange(tq, dtype=jnp.int32)[None, :]
-  tok_ok = jnp.arange(tq)[None, :] < info[:, 2:3]
-  q = q_TNH[jnp.clip(tok, 0, T - 1)]  # [NT, tq, N, H]
-  q = jnp.where(tok_ok[:, :, None, None], q, 0).reshape(NT, tq, K, g, H).transpose(0, 2, 1, 3, 4)
-  q = q.reshape(NT, K, R, H)
-  sc = None
-  if cfg.fp8:
-    L_pad = common.cdiv(Pmax * G, cfg.BK) * cfg.BK
-    sc = _expanded_scales(kv_scales_PK, block_tables_SP, K, G, L_pad)
+  info, item_T, has_T, _, NI, NQ = ragged_work_items(cu_q_lens_S1, kv_lens_S, T, tq)
+  # Empty items (packed at the end) take the last real item's q tile and output block: see _call.
+  real = info[:, 4] > info[:, 3]
+  last = jnp.maximum(jnp.sum(real.astype(jnp.int32)) - 1, 0)
+  i = jnp.arange(NI, dtype=jnp.int32)
+  info = jnp.concatenate([info[:, :1], jnp.where(real, info[:, 1], info[last, 1])[:, None], info[:, 2:],
+                          jnp.where(real, i, last)[:, None]], axis=1)
+  q = tile_major_q(q_TNH, K, tq, NQ, R, q_TNH.dtype)  # [NQ, K, R, H]
   rowtok = jnp.asarray((np.arange(R) // g).reshape(R, 1), jnp.int32)
-  prefetch = [kv_lens_S, block_tables_SP.reshape(-1), info.reshape(-1)]
-  o_tiles = _call(cfg, prefetch, q, kv_pages_PGKH, rowtok, sc, interpret=interpret)  # [NT, K, R, H]
-  seg_T, _, valid_T = query_positions(cu_q_lens_S1, kv_lens_S, T)
-  t = jnp.arange(T, dtype=jnp.int32)
-  within = t - cu_q_lens_S1[seg_T]
-  tile_T = jnp.clip(tile_start[seg_T] + within // tq, 0, NT - 1)
-  o = o_tiles.reshape(NT, K, tq, g, H)[tile_T, :, within % tq]
-  o = jnp.where(valid_T[:, None, None, None], o, 0)
-  return o.reshape(T, N, H)
+  prefetch = [kv_lens_S, info.reshape(-1)]
+  o_items = _call(cfg, prefetch, q, kv_pages_PGKH, block_tables_SP, rowtok, kv_scales_PK,
+                  interpret=interpret, n_out=NI)  # [NI, K, R, H]
+  return gather_item_rows(o_items, item_T, has_T, tq, g, q_TNH.dtype)

@@ -181,6 +181,14 @@ def analyse(hlo: str, shard_bytes: int, n_layers: int, score: str, in_loops: boo
         if any(p in packed_params for p in i.operands) and i.op != "get-tuple-element":
             own[i.name] = _slice_start(i, comps)
             continue
+        if i.op == "tuple":             # e.g. the operand of an opt-barrier (run_layers ties shards to activations)
+            elems = [owner_of(o) for o in i.operands]
+            if any(isinstance(e, int) for e in elems):
+                own[i.name] = elems
+            continue
+        if i.op == "opt-barrier":
+            own[i.name] = own.get(i.operands[0]) if i.operands else None
+            continue
         if i.op == "get-tuple-element":
             idx = int(re.search(r"index=(\d+)", i.attrs).group(1))
             own[i.name] = owner_of(i.operands[0], idx) if i.operands else None

@@ -216,6 +216,8 @@ def xla_options(layout: DecodeLayout) -> dict:
     other backends ignore it."""
     if layout.attn_axes and layout.attn_gather == "all_gather":
         return {"xla_gpu_all_gather_combine_threshold_bytes": 0}
+    if layout.attn_axes and layout.attn_gather == "ppermute":     # keep each layer's ring steps apart
+        return {"xla_gpu_collective_permute_combine_threshold_bytes": 0}
     return {}
 
 

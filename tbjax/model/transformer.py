@@ -75,7 +75,10 @@ def run_layers(params, spec: ModelSpec, x_TD, cos, sin, attend, caches, *, layer
         if packed is not None:
             buf = nxt
             if n + 1 < len(idx):           # issued before this layer computes: overlapped with it
-                nxt = fetch(packed[idx[n + 1]])
+                # the shard is tied to this layer's input, so the gather cannot be hoisted above it (XLA starts
+                # independent collectives as early as it can: a ppermute ring of every layer at the top)
+                shard, x_TD = jax.lax.optimization_barrier((packed[idx[n + 1]], x_TD))
+                nxt = fetch(shard)
             pa = pk.unpack(buf, ctx.attn_pack, x_TD.dtype)
         d, caches[i] = ATTENTION_APPLY[akind](spec, pa, x_TD, cos, sin, attend, i, caches[i])
         if packed is not None and n + 1 < len(idx):

@@ -277,3 +277,41 @@ def test_step_attention_merges_decode_and_ragged_kernels(q_lens, caplog):
     assert not caplog.records, [r.getMessage() for r in caplog.records]      # the kernels ran, no fallback
     n = sum(q_lens)
     np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n], atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_blocked_attention_equals_the_reference_with_a_wide_table(window):
+    """blocked.py (the CPU path of the engine step): a block table far wider than the live lengths, padding
+    sequences at kv_len 0, decode and ragged batches, sliding window; equal to reference.py in float32."""
+    from pallas_kernels.paged_attention import blocked
+    from pallas_kernels.paged_attention.reference import paged_attention_reference, paged_decode_attention_reference
+    rng = np.random.default_rng(11)
+    P, G, K, H, N = 40, 4, 2, 8, 4
+    kv = jnp.asarray(rng.normal(size=(P, G, 2 * K, H)), jnp.float32)
+    bt = jnp.asarray(rng.integers(1, P, size=(5, 24)), jnp.int32)
+    lens = jnp.asarray([0, 7, 70, 1, 33], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(5, N, H)), jnp.float32)
+    np.testing.assert_allclose(blocked.decode_attention_blocked(q, kv, bt, lens, sliding_window=window),
+                               paged_decode_attention_reference(q, kv, bt, lens, sliding_window=window), atol=1e-5)
+    cu = jnp.asarray([0, 0, 3, 4, 9, 10], jnp.int32)
+    qt = jnp.asarray(rng.normal(size=(16, N, H)), jnp.float32)
+    lens2 = jnp.asarray([0, 9, 70, 5, 33], jnp.int32)
+    np.testing.assert_allclose(blocked.ragged_attention_blocked(qt, kv, bt, lens2, cu, sliding_window=window),
+                               paged_attention_reference(qt, kv, bt, lens2, cu, sliding_window=window), atol=1e-5)
+
+
+def test_blocked_attention_reads_the_mla_latent_pool():
+    """kv_layout=("latent", C): the split latent pool (tbjax/engine/mla_paged.py) read as one kv head whose key and
+    value are the joined latent; equal to mla_paged.latent_attention (its jnp definition)."""
+    from pallas_kernels.paged_attention import blocked
+    from tbjax.engine.mla_paged import latent_attention
+    rng = np.random.default_rng(12)
+    C, G = 10, 4
+    pool = jnp.asarray(rng.normal(size=(30, G, 2, 5)), jnp.float32)
+    bt = jnp.asarray(rng.integers(1, 30, size=(3, 9)), jnp.int32)
+    lens = jnp.asarray([6, 0, 30], jnp.int32)
+    cu = jnp.asarray([0, 1, 1, 6], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(8, 3, C)), jnp.float32)
+    want = latent_attention(q, pool, bt, lens, cu, scale=0.3)
+    got = blocked.ragged_attention_blocked(q, pool, bt, lens, cu, scale=0.3, kv_layout=("latent", C))
+    np.testing.assert_allclose(np.asarray(got)[:6], np.asarray(want)[:6], atol=1e-5)

@@ -58,6 +58,30 @@ def _block_pages(G):
     return max(1, BLOCK_TOKENS // G)
 
 
+def _online_softmax_step(m, l, acc, q, k, v, mask, scale, soft_cap, qk_spec, pv_spec):
+    """One block of the flash (online) softmax: scores q.k (`qk_spec`), masked, folded into the running max m, sum
+    l and output acc (`pv_spec`). Fully masked rows keep m = -inf and contribute nothing."""
+    s = jnp.einsum(qk_spec, q, k, precision=lax.Precision.HIGHEST) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+    l = l * corr + p.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum(pv_spec, p, v, precision=lax.Precision.HIGHEST)
+    return m_new, l, acc
+
+
+def _run_blocks(body, b0, b1, rows, Hv):
+    """while b0 <= b < b1: body((b, m, l, acc)); returns acc / l (0 where nothing was seen), float32."""
+    init = (b0, jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, Hv), jnp.float32))
+    _, _, l, acc = lax.while_loop(lambda c: c[0] < b1, body, init)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "kv_layout"))
 def decode_attention_blocked(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                              sliding_window=None, kv_scales_PK=None, kv_layout="gqa"):
@@ -83,25 +107,12 @@ def decode_attention_blocked(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *
         b, m, l, acc = carry
         idx = lax.dynamic_slice_in_dim(bt, b * nb, nb, axis=1)                   # [S, nb]
         k, v = _read_kv(_gather(kv_pages_PGKH, kv_scales_PK, idx), kv_layout)      # [S, span, Kh, H]
-        s = jnp.einsum("skgh,slkh->skgl", q, k, precision=lax.Precision.HIGHEST) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         pos = b * span + jnp.arange(span, dtype=jnp.int32)
         mask = (pos[None, :] < lens[:, None]) & (pos[None, :] >= lo[:, None])
-        mask = mask[:, None, None, :]
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("skgl,slkh->skgh", p, v, precision=lax.Precision.HIGHEST)
-        return b + 1, m_new, l, acc
+        return (b + 1, *_online_softmax_step(m, l, acc, q, k, v, mask[:, None, None, :], scale, soft_cap,
+                                             "skgh,slkh->skgl", "skgl,slkh->skgh"))
 
-    init = (b0, jnp.full((S, Kh, g), -jnp.inf, jnp.float32), jnp.zeros((S, Kh, g), jnp.float32),
-            jnp.zeros((S, Kh, g, Hv), jnp.float32))
-    _, _, l, acc = lax.while_loop(lambda c: c[0] < b1, body, init)
-    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o = _run_blocks(body, b0, b1, (S, Kh, g), Hv)
     return o.reshape(S, N, Hv).astype(q_SNH.dtype)
 
 
@@ -124,27 +135,14 @@ def _one_sequence_blocked(q_TKgH, kv_pages_PGKH, kv_scales_PK, bt_P, kv_len, row
         idx = lax.dynamic_slice_in_dim(bt, b * nb, nb, axis=1)
         k, v = _read_kv(_gather(kv_pages_PGKH, kv_scales_PK, idx), kv_layout)
         k, v = k[0], v[0]                                                         # [span, Kh, H]
-        s = jnp.einsum("tkgh,lkh->tkgl", q_TKgH, k, precision=lax.Precision.HIGHEST) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         pos = b * span + jnp.arange(span, dtype=jnp.int32)
         mask = (pos[None, :] <= pos_T[:, None]) & (pos[None, :] < kv_len) & rows_T[:, None]
         if sliding_window is not None:
             mask &= pos[None, :] > pos_T[:, None] - sliding_window
-        mask = mask[:, None, None, :]
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgl,lkh->tkgh", p, v, precision=lax.Precision.HIGHEST)
-        return b + 1, m_new, l, acc
+        return (b + 1, *_online_softmax_step(m, l, acc, q_TKgH, k, v, mask[:, None, None, :], scale, soft_cap,
+                                             "tkgh,lkh->tkgl", "tkgl,lkh->tkgh"))
 
-    init = (b0, jnp.full((T, Kh, g), -jnp.inf, jnp.float32), jnp.zeros((T, Kh, g), jnp.float32),
-            jnp.zeros((T, Kh, g, Hv), jnp.float32))
-    _, _, l, acc = lax.while_loop(lambda c: c[0] < b1, body, init)
-    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return _run_blocks(body, b0, b1, (T, Kh, g), Hv)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "kv_layout"))

@@ -470,3 +470,40 @@ def test_serve_cli_http_port_and_generation_config_flags(tmp_path, capsys):
     assert cli._generation_defaults(parse(["--generation-config", str(f)])).sampling() == {"temperature": 0.4}
     assert cli.main(["--generation-config", str(tmp_path / "nope.json")]) == 2
     assert "--generation-config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def test_serve_cli_serves_http_beside_grpc(extra):
+    """`python -m tbjax.serve` (fake engine): its serving line names the HTTP address (any free port with --port 0);
+    completions, echo with prompt logprobs (computed in the engine's process with --engine-process) and gRPC work;
+    SIGTERM drains both and exits 0."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--port", "0", "--metrics-port", "-1",
+                          "--log-level", "INFO", *extra], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        line = p.stdout.readline()
+        m = re.search(r"on (\S+):(\d+) \(gRPC tbjax.v1\), OpenAI HTTP on (http://127\.0\.0\.1:\d+)/v1$", line.strip())
+        assert m, (line, p.stderr.read() if p.poll() is not None else "")
+        oa = OpenAI(base_url=m.group(3) + "/v1", api_key="-", max_retries=0, timeout=60)
+        tok = fake_served_model().tokenizer
+        r = oa.completions.create(model="fake", prompt=[40, 41, 42], max_tokens=5, temperature=0)
+        assert r.choices[0].text == tok.decode(reference([40, 41, 42], 5)[0])
+        r = oa.completions.create(model="fake", prompt=[40, 41, 42], max_tokens=0, echo=True, logprobs=2)
+        assert r.choices[0].logprobs.token_logprobs == [None, -0.5, -0.5]
+        with Client(f"127.0.0.1:{m.group(2)}", timeout=30) as c:
+            assert c.generate(token_ids=[40, 41, 42], max_tokens=5, temperature=0).token_ids == \
+                reference([40, 41, 42], 5)[0]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+        err = p.stderr.read()
+        assert "stopped" in err and re.search(r"tbjax.requests: request cmpl-\w+ \(http\): 3 prompt \+ 5 output", err)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -391,22 +391,45 @@ class ModelRunner:
         seconds. Lowering (tracing) runs here one bucket at a time; the compiles run in a thread pool (they release
         the GIL). Afterwards `ready` is set."""
         from tqdm.auto import tqdm
+
+        from tbjax.engine import program_cache
         t = time.perf_counter()
-        todo = {}
+        todo, keys = {}, {}
+        saveable = self.mesh.devices.size == 1 and program_cache.cache_dir() is not None
         for b in (self.buckets if buckets is None else buckets):
             b = self._bucket_for(b)
-            if b not in self._compiled and b not in todo:
-                todo[b] = self._fn(b).lower(*self._abstract_args(b))
+            if b in self._compiled or b in todo:
+                continue
+            if saveable:                 # a warm start loads the whole executable (no trace, lowering, compile)
+                keys[b] = self._program_key(b)
+                exe = program_cache.load(keys[b])
+                if exe is not None:
+                    self._compiled[b] = exe
+                    continue
+            todo[b] = self._fn(b).lower(*self._abstract_args(b))
         bar = tqdm(total=len(todo), desc="compiling step programs", disable=not progress or not todo, unit="prog")
         with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
             futs = {pool.submit(lowered.compile): b for b, lowered in todo.items()}
             for f in cf.as_completed(futs):
-                self._compiled[futs[f]] = f.result()
+                b = futs[f]
+                self._compiled[b] = f.result()
+                if b in keys:
+                    program_cache.save(keys[b], self._compiled[b])
                 bar.update(1)
         bar.close()
         if buckets is None:
             self.ready = True
         return time.perf_counter() - t
+
+    def _program_key(self, bucket: int) -> str:
+        from tbjax.engine import program_cache
+        dev = self.mesh.devices.flat[0]
+        args = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None))),
+                            self._abstract_args(bucket))
+        st = _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket))
+        return program_cache.program_key("step", bucket, self._layout(bucket), st, dev.platform,
+                                         getattr(dev, "device_kind", ""), dict(self.mesh.shape),
+                                         jax.tree.structure(self.params), args, mf.xla_options(self.layout))
 
     def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False, prev=None) -> dict:
         """Start the step on device (no wait); `packed` = inp.pack()'s arrays; `prev` = the previous launch's outputs

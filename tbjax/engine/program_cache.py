@@ -1,0 +1,98 @@
+"""Step programs saved whole (serialized executables), so that a warm start loads them instead of tracing, lowering
+and compiling them again.
+
+Why: JAX's persistent compilation cache (tbjax/compile_cache.py) skips only the backend compile; it is keyed by the
+lowered program, so every start still traces and lowers each step program (H200, Llama-8B shapes: ~20 s of a 26 s
+warm start for 9 programs). Here the key is everything the program depends on (tbjax's own source, the JAX version,
+the device kind, the mesh, the abstract arguments with their shardings, the static step settings, XLA flags), and a
+hit is one deserialization. A file that does not load is deleted and the program is compiled as usual.
+
+Opt-in (TBJAX_PROGRAM_CACHE=1) until it has run on a GPU: on XLA:CPU a process that loaded saved programs and then
+compiled a new one failed running a step ("Function wrapped_iota not found", jax 0.11.2), while loading a complete
+set, or compiling a corrupt file's program again, worked. Only single-device meshes: deserializing an executable for
+a subset of the process's devices aborts inside XLA ("num_shards == xla_hlo_sharding.num_devices()"); meshes keep
+JAX's persistent cache. The programs live beside JAX's cache (`<jax cache dir>/tbjax-programs`) and follow its switch
+(TBJAX_COMPILE_CACHE=0: off).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+
+import jax
+
+log = logging.getLogger(__name__)
+_PACKAGES = ("tbjax", "pallas_kernels", "sharding")
+
+
+def cache_dir() -> str | None:
+    """Where programs are saved, or None when caching is off (no JAX cache dir configured, or it is disabled)."""
+    if os.environ.get("TBJAX_PROGRAM_CACHE", "0") != "1" or os.environ.get("TBJAX_COMPILE_CACHE") == "0" \
+            or not jax.config.jax_enable_compilation_cache:
+        return None
+    base = jax.config.jax_compilation_cache_dir
+    return os.path.join(base, "tbjax-programs") if base else None
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 over tbjax's, pallas_kernels' and sharding's Python sources (a code change is a new key)."""
+    import importlib
+    h = hashlib.sha256()
+    for pkg in _PACKAGES:
+        root = os.path.dirname(importlib.import_module(pkg).__file__)
+        for d, _, files in sorted(os.walk(root)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(d, f), "rb") as fh:
+                        h.update(f.encode() + b"\0" + fh.read())
+    return h.hexdigest()
+
+
+def program_key(*parts) -> str:
+    import jaxlib
+    h = hashlib.sha256()
+    for p in (source_hash(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""), *parts):
+        h.update(repr(p).encode() + b"\0")
+    return h.hexdigest()[:40]
+
+
+def load(key: str):
+    """The executable saved under `key`, or None."""
+    d = cache_dir()
+    if d is None:
+        return None
+    path = os.path.join(d, key + ".bin")
+    if not os.path.exists(path):
+        return None
+    from jax.experimental import serialize_executable as se
+    try:
+        with open(path, "rb") as f:
+            return se.deserialize_and_load(*pickle.load(f))
+    except Exception as e:  # noqa: BLE001 - a bad or stale file is recompiled, never fatal
+        log.warning("saved step program %s did not load (%s); compiling it", path, e)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return None
+
+
+def save(key: str, compiled) -> bool:
+    d = cache_dir()
+    if d is None:
+        return False
+    from jax.experimental import serialize_executable as se
+    try:
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".{key}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(se.serialize(compiled), f)
+        os.replace(tmp, os.path.join(d, key + ".bin"))      # atomic: readers see a whole file or none
+        return True
+    except Exception as e:  # noqa: BLE001 - caching is an optimization
+        log.warning("could not save step program %s: %s", key, e)
+        return False

@@ -1,0 +1,67 @@
+"""Saved step programs (tbjax/engine/program_cache.py): a second engine with the same settings loads every step
+program instead of compiling it (no backend compile at all) and gives the first engine's tokens; a corrupt file is
+compiled again, not fatal; a changed setting is a new key. Runs in a subprocess with its own cache directory (the
+test process keeps JAX's persistent cache off: tests/conftest.py)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
+import jax
+from tbjax import compile_cache
+compile_cache.enable(sys.argv[1])
+from engine_helpers import byte_tokenizer, tiny_model
+from tbjax.engine import Engine, EngineConfig
+from tbjax.sampling import SamplingParams
+n = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda ev, d, **kw: n.__setitem__(0, n[0] + 1) if ev == "/jax/core/compile/backend_compile_duration" else None)
+spec, params = tiny_model()
+eng = Engine(spec, params, byte_tokenizer(), EngineConfig(num_pages=32, page_size=4, max_num_seqs=4,
+                                                         max_num_batched_tokens=int(sys.argv[3])))
+c0 = n[0]
+eng.warmup()
+compiles = n[0] - c0
+for i, p in enumerate([[5, 6, 7], [9] * 11, [1]]):
+    eng.add_request(i, p, SamplingParams.greedy(6, ignore_eos=True))
+out = {}
+while eng.has_unfinished():
+    for o in eng.step():
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+print("RESULT " + json.dumps({"compiles": compiles, "programs": len(eng.runner.buckets),
+                              "tokens": [out[i] for i in range(3)]}))
+"""
+
+
+def _run(cache, budget=16):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", TBJAX_PROGRAM_CACHE="1")
+    env.pop("TBJAX_COMPILE_CACHE", None)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(cache), ROOT, str(budget)], capture_output=True, text=True,
+                       env=env, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), p.stderr
+
+
+def test_saved_programs_load_without_compiling_and_give_the_same_tokens(tmp_path):
+    first, _ = _run(tmp_path)
+    assert first["compiles"] >= first["programs"] > 1
+    saved = sorted((tmp_path / "tbjax-programs").glob("*.bin"))
+    assert len(saved) == first["programs"]
+    second, _ = _run(tmp_path)
+    assert second["compiles"] == 0 and second["tokens"] == first["tokens"]
+    saved[0].write_bytes(b"not a program")            # a corrupt file: warned about, deleted, compiled again
+    third, err = _run(tmp_path)
+    assert third["compiles"] >= 1 and third["tokens"] == first["tokens"] and "did not load" in err
+    # (a process that loads some programs and compiles others with new keys fails on XLA:CPU: program_cache.py)
+
+
+def test_program_cache_is_off_unless_asked(tmp_path, monkeypatch):
+    from tbjax.engine import program_cache
+    monkeypatch.delenv("TBJAX_PROGRAM_CACHE", raising=False)
+    assert program_cache.cache_dir() is None

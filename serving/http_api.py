@@ -45,6 +45,7 @@ from typing import Any
 
 import grpc
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from .api import pb
 from .engine_loop import EngineStopped
@@ -661,7 +662,7 @@ class HTTPFrontend:
         return out
 
     async def _run(self, request, job: Job, t_arrival: float):
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse
 
         sv = self.servicer
         base = "cmpl-" if job.kind == "completion" else "chatcmpl-"
@@ -696,8 +697,22 @@ class HTTPFrontend:
             ctx = _Answer(self, job, rid, choices, prompt_lps)
             if job.stream:
                 started = True
-                return StreamingResponse(self._sse(ctx, queue, tasks, slots, len(gen)), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                done = False
+
+                async def cleanup():   # once, whether the stream ran to its end, broke off, or never started
+                    nonlocal done
+                    if done:
+                        return
+                    done = True
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    for s in slots:
+                        s.release()
+                    self.active -= 1
+                return _CleanupStream(self._sse(ctx, queue, len(gen), cleanup), cleanup,
+                                      media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return JSONResponse(await self._collect(request, ctx, queue, tasks, slots, len(gen)))
         finally:
             if not started:
@@ -786,7 +801,7 @@ class HTTPFrontend:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _sse(self, ctx: "_Answer", queue, tasks, slots, n: int):
+    async def _sse(self, ctx: "_Answer", queue, n: int, cleanup):
         try:
             for c in ctx.choices:           # the first chunk of every choice (role / echoed prompt)
                 first = ctx.first_chunk(c)
@@ -804,12 +819,7 @@ class HTTPFrontend:
                 yield _sse(e.body())
             yield "data: [DONE]\n\n"
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for s in slots:
-                s.release()
-            self.active -= 1
+            await cleanup()
 
     def token_text(self, token_id: int) -> str:
         t = self._token_text_cache.get(token_id)
@@ -823,6 +833,21 @@ class HTTPFrontend:
         fn = getattr(self.model.tokenizer, "token_bytes", None)
         b = fn(token_id) if fn is not None else self.token_text(token_id).encode("utf-8")
         return list(b)
+
+
+class _CleanupStream(StreamingResponse):
+    """A streaming response that runs ``cleanup`` however its sending ends (a client that goes away before the first
+    chunk leaves the body generator unstarted, so the generator's own ``finally`` would never run)."""
+
+    def __init__(self, content, cleanup, **kw):
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
 
 
 async def _wait_disconnect(request) -> None:

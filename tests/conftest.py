@@ -3,6 +3,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLM() and `python -m tbjax.serve` compile every step program before they are ready (8-9 programs of the 30-layer
+# default model: minutes on 2 CPU cores); most tests need one or two, so here the default is off. Tests about the
+# warm-up turn it on themselves (explicit warmup=True / --warmup, or TBJAX_WARMUP=1); subprocesses inherit this.
+os.environ.setdefault("TBJAX_WARMUP", "0")
 
 import jax  # noqa: E402
 

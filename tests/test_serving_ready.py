@@ -132,6 +132,7 @@ def test_no_warmup_serves_at_once_and_a_failed_warmup_is_an_error():
 
 
 def test_llm_warms_its_engine_up_by_default_from_parts_only_when_asked(monkeypatch):
+    monkeypatch.setenv("TBJAX_WARMUP", "1")           # the default outside the test suite (tests/conftest.py)
     import tbjax.llm
     import tbjax.weights
 
@@ -157,7 +158,8 @@ def test_llm_warms_its_engine_up_by_default_from_parts_only_when_asked(monkeypat
     assert calls == [False, False]
 
 
-def test_cli_warmup_flags():
+def test_cli_warmup_flags(monkeypatch):
+    monkeypatch.setenv("TBJAX_WARMUP", "1")           # the default outside the test suite (tests/conftest.py)
     from serving.cli import build_parser
     ap = build_parser()
     assert ap.parse_args([]).warmup is True
@@ -168,7 +170,7 @@ def test_cli_warmup_flags():
 @pytest.mark.parametrize("extra", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
 def test_serve_cli_prints_serving_only_after_the_warmup(extra):
     p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--fake-warmup-time", str(WARMUP_S),
-                          "--port", "0", "--metrics-port", "0", *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                          "--warmup", "--port", "0", "--metrics-port", "0", *extra], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         err = []

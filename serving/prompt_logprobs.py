@@ -4,7 +4,10 @@ The engine computes logprobs only for the tokens it samples. The logprob of each
 before it comes from one whole-sequence forward without a KV cache (``tbjax.model.forward_dense``) over the
 engine's own parameters, run on the engine's thread (or in its process) between two steps (``EngineLoop.call``):
 the prompt, padded at the end to a power-of-two bucket of at least 16 tokens (causal attention: padding changes
-no earlier logit), so that one program per bucket is compiled, on first use. That compile happens after the
+no earlier logit), so that one program per bucket is compiled, on first use. An engine on a decode mesh (several
+devices, attention weights packed and sharded) runs the same forward through the engine's layer loop on its mesh
+(``tbjax.model.mesh_forward.make_forward``): the prompt on the first device's block, padding segments on the
+others. That compile happens after the
 warm-up, and it and the forward stall the engine's batch meanwhile; the forward's logits take prompt x vocabulary
 x 4 bytes of device memory.
 
@@ -21,7 +24,8 @@ __all__ = ["prompt_logprobs", "PromptLogprobsUnavailable", "TOP_K", "bucket"]
 TOP_K = 20        # top logprobs computed per position (requests ask for up to Limits.max_logprobs <= 20)
 MIN_BUCKET = 16
 
-_fns: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_fns: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()        # engine -> jitted dense forward + scores
+_mesh_fns: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> (mesh forward, scores)
 
 
 class PromptLogprobsUnavailable(ValueError):
@@ -58,6 +62,49 @@ def _forward_fn(engine):
     return f
 
 
+def _scores_fn():
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def f(logits_TV, tokens_T):
+        lp = jax.nn.log_softmax(logits_TV[:-1].astype(jnp.float32), axis=-1)
+        tok = jnp.take_along_axis(lp, tokens_T[1:, None], axis=-1)[:, 0]
+        top_v, top_i = jax.lax.top_k(lp, TOP_K)
+        return tok, top_v, top_i
+    return f
+
+
+def _mesh_forward(engine, padded):
+    """The forward on the engine's decode mesh: (token logprobs, top values, top ids) for ``padded`` (one block)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sharding.mesh import axes_size
+    from tbjax.model import mesh_forward as mf
+
+    runner = engine.runner
+    plan, mesh = runner.plan, runner.mesh
+    if engine not in _mesh_fns:
+        _mesh_fns[engine] = (mf.make_forward(plan, mesh, engine.params), _scores_fn())
+    fwd, scores = _mesh_fns[engine]
+    nb = axes_size(plan.mesh_dict, plan.layout.batch_axes)
+    n = len(padded)
+    tokens = np.zeros((nb * n,), np.int32)
+    tokens[:n] = padded
+    positions = np.tile(np.arange(n, dtype=np.int32), nb)
+    segments = np.repeat(np.arange(nb, dtype=np.int32), n)     # one segment per device: none straddles two
+    logits, _ = fwd(engine.params, tokens, positions, segments)
+    return scores(logits[:n], jnp.asarray(padded))
+
+
+def _on_mesh(engine) -> bool:
+    runner = getattr(engine, "runner", None)
+    plan = getattr(runner, "plan", None)
+    mesh = getattr(runner, "mesh", None)
+    return plan is not None and mesh is not None and (getattr(plan, "packed", False) or mesh.devices.size > 1)
+
+
 def prompt_logprobs(engine, token_ids: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
     """Per prompt token: None for the first, then (logprob of the token given the ones before it, the ``k`` most
     likely tokens there as [(id, logprob)]). Runs on the engine's thread (``EngineLoop.call``)."""
@@ -81,8 +128,11 @@ def prompt_logprobs(engine, token_ids: list[int], k: int) -> list[tuple[float, l
     padded = np.zeros((n,), np.int32)
     padded[:T] = ids
     try:
-        tok, top_v, top_i = _forward_fn(engine)(params, padded)
-    except Exception as e:  # noqa: BLE001 - a parameter layout forward_dense does not take
+        if _on_mesh(engine):
+            tok, top_v, top_i = _mesh_forward(engine, padded)
+        else:
+            tok, top_v, top_i = _forward_fn(engine)(params, padded)
+    except Exception as e:  # noqa: BLE001 - a parameter layout the forward does not take
         raise PromptLogprobsUnavailable(f"prompt logprobs (echo with logprobs) are not available with this engine's "
                                         f"parameter layout (a whole-sequence forward over them failed: "
                                         f"{type(e).__name__}: {str(e)[:200]})") from None

@@ -507,3 +507,28 @@ def test_serve_cli_serves_http_beside_grpc(extra):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_engine_refusal_is_400_and_engine_failure_500_or_an_error_chunk():
+    class Crashing(FakeEngine):
+        def step(self):
+            if any(r.startswith("cmpl-") for r in self._req) and self.num_added >= 2:
+                raise RuntimeError("device on fire")
+            return super().step()
+
+    model = fake_served_model(num_pages=8, page_size=4, max_model_len=512)
+    with ServerThread(model, metrics_port=None, http_port=0) as st:
+        with pytest.raises(openai.BadRequestError) as e:    # more pages than the engine has: refused by the engine
+            _client(st).completions.create(model="fake", prompt=[5] * 200, max_tokens=2)
+        assert "pages" in e.value.message or "fit" in e.value.message
+    model = fake_served_model()
+    model.engine = Crashing()
+    with ServerThread(model, metrics_port=None, http_port=0) as st:
+        oa = _client(st)
+        assert oa.completions.create(model="fake", prompt=[5], max_tokens=2).choices[0].text   # the first is fine
+        with pytest.raises(openai.InternalServerError) as e:
+            oa.completions.create(model="fake", prompt=[5], max_tokens=2)
+        assert e.value.status_code == 500 and "device on fire" in e.value.message
+        with pytest.raises(openai.APIError) as e:      # streaming: the error arrives as a data: chunk
+            list(oa.completions.create(model="fake", prompt=[5], max_tokens=2, stream=True))
+        assert "device on fire" in str(e.value)

@@ -6,7 +6,7 @@ ARGS = ["--dtype", "float32", "--num-pages", "256", "--max-num-seqs", "8", "--ma
 
 def test_generate_cli_prints_the_greedy_continuation(capsys, hf_ref, smollm_llm):
     meta, _ = hf_ref
-    assert main(ARGS + ["--max-tokens", "6", "The capital of France is"]) == 0
+    assert main(ARGS + ["--temperature", "0", "--max-tokens", "6", "The capital of France is"]) == 0
     out = capsys.readouterr().out
     assert smollm_llm.tokenizer.decode(meta["greedy"][0][:6]) in out
 

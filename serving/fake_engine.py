@@ -235,7 +235,7 @@ class FakeEngine:
         s = self.scheduler.stats()
         return {"running": s["num_running"], "waiting": s["num_waiting"], "kv_pages_used": s["pages_used"],
                 "kv_pages_total": s["pages_used"] + s["pages_free"], "prefix_hit_rate": s["prefix_hit_rate"],
-                "pages_free": s["pages_free"]}
+                "pages_free": s["pages_free"], "pages_used": s["pages_used"], "pages_evictable": s["pages_evictable"]}
 
 
 def fake_served_model(**engine_kwargs):

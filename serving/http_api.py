@@ -49,7 +49,7 @@ from fastapi.responses import StreamingResponse
 
 from .api import pb
 from .engine_loop import EngineStopped
-from .limits import RequestError, build_params, check_sampling, token_ids_in_vocab
+from .limits import RequestError, build_params, check_sampling, check_text_bytes, shown, token_ids_in_vocab
 from .server import take_stops
 
 __all__ = ["HTTPFrontend", "APIError", "parse_completion_request", "parse_chat_request"]
@@ -128,7 +128,7 @@ def _get_int(body: dict, key: str) -> int | None:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise _bad(f"{key} must be an integer, got {v!r}", key)
+        raise _bad(f"{key} must be an integer, got {shown(v)}", key)
     return v
 
 
@@ -137,7 +137,7 @@ def _get_num(body: dict, key: str) -> float | None:
     if v is None:
         return None
     if not _is_num(v):
-        raise _bad(f"{key} must be a number, got {v!r}", key)
+        raise _bad(f"{key} must be a number, got {shown(v)}", key)
     return float(v)
 
 
@@ -146,20 +146,22 @@ def _get_bool(body: dict, key: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(f"{key} must be true or false, got {v!r}", key)
+        raise _bad(f"{key} must be true or false, got {shown(v)}", key)
     return v
 
 
 def _unsupported(body: dict, allowed: set[str]) -> None:
     extra = sorted(k for k in body if k not in allowed)
     if extra:
-        raise _bad(f"unsupported parameter{'s' if len(extra) > 1 else ''}: {', '.join(extra)} (this server does not "
-                   "implement them; leave them out)", extra[0])
+        names = ", ".join(shown(k)[1:-1] if isinstance(k, str) else shown(k) for k in extra[:8])
+        more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
+        raise _bad(f"unsupported parameter{'s' if len(extra) > 1 else ''}: {names}{more} (this server does not "
+                   "implement them; leave them out)", extra[0][:64])
     neutral = (("presence_penalty", (0, 0.0)), ("frequency_penalty", (0, 0.0)), ("repetition_penalty", (1, 1.0)))
     for key, ok in neutral:
         v = body.get(key)
         if v is not None and v not in ok:
-            raise _bad(f"{key}={v!r} is not supported (only {ok[0]}): tbjax samples without penalties", key)
+            raise _bad(f"{key}={shown(v)} is not supported (only {ok[0]}): tbjax samples without penalties", key)
     if body.get("logit_bias"):
         raise _bad("logit_bias is not supported", "logit_bias")
     if body.get("suffix"):
@@ -168,23 +170,23 @@ def _unsupported(body: dict, allowed: set[str]) -> None:
         raise _bad("tools (function calling) are not supported: tool calls are not parsed from the output", "tools")
     tc = body.get("tool_choice")
     if tc is not None and tc != "none" and tc != "auto":
-        raise _bad(f"tool_choice={tc!r} is not supported (no tools)", "tool_choice")
+        raise _bad(f"tool_choice={shown(tc)} is not supported (no tools)", "tool_choice")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
-        raise _bad(f"response_format={rf!r} is not supported (only {{'type': 'text'}})", "response_format")
+        raise _bad(f"response_format={shown(rf)} is not supported (only {{'type': 'text'}})", "response_format")
     if body.get("store"):
         raise _bad("store is not supported", "store")
     if body.get("metadata"):
         raise _bad("metadata is not supported (nothing is stored)", "metadata")
     st = body.get("service_tier")
     if st is not None and st not in ("auto", "default"):
-        raise _bad(f"service_tier={st!r} is not supported", "service_tier")
+        raise _bad(f"service_tier={shown(st)} is not supported", "service_tier")
     mod = body.get("modalities")
     if mod is not None and mod != ["text"]:
-        raise _bad(f"modalities={mod!r} is not supported (only ['text'])", "modalities")
+        raise _bad(f"modalities={shown(mod)} is not supported (only ['text'])", "modalities")
     u = body.get("user")
     if u is not None and not isinstance(u, str):
-        raise _bad(f"user must be a string, got {u!r}", "user")
+        raise _bad(f"user must be a string, got {shown(u)}", "user")
 
 
 @dataclass
@@ -212,7 +214,7 @@ def _sampling_message(body: dict, max_tokens: int | None, logprobs: int | None, 
         try:
             setattr(sp, wire or key, value)
         except (ValueError, TypeError):
-            raise _bad(f"{names.get(key, key)}={value!r} is out of range", names.get(key, key)) from None
+            raise _bad(f"{names.get(key, key)}={shown(value)} is out of range", names.get(key, key)) from None
 
     if max_tokens is not None:
         put("max_tokens", max_tokens)
@@ -230,12 +232,12 @@ def _sampling_message(body: dict, max_tokens: int | None, logprobs: int | None, 
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+            raise _bad(f"stop must be a string or a list of strings, got {shown(stop)}", "stop")
         sp.stop.extend(stops)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
-            raise _bad(f"stop_token_ids must be a list of integers, got {ids!r}", "stop_token_ids")
+            raise _bad(f"stop_token_ids must be a list of integers, got {shown(ids)}", "stop_token_ids")
         try:
             sp.stop_token_ids.extend(ids)
         except ValueError:
@@ -259,7 +261,7 @@ def _common(body: dict, kind: str) -> tuple[int, bool, bool]:
         if not stream:
             raise _bad("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(so, dict) or any(k not in ("include_usage", "continuous_usage_stats") for k in so):
-            raise _bad(f"stream_options must be an object with include_usage, got {so!r}", "stream_options")
+            raise _bad(f"stream_options must be an object with include_usage, got {shown(so)}", "stream_options")
         include_usage = _get_bool(so, "include_usage")
         if so.get("continuous_usage_stats"):
             raise _bad("stream_options.continuous_usage_stats is not supported", "stream_options")
@@ -269,9 +271,9 @@ def _common(body: dict, kind: str) -> tuple[int, bool, bool]:
 def _check_model(body: dict, served: str) -> None:
     m = body.get("model")
     if m is not None and not isinstance(m, str):
-        raise _bad(f"model must be a string, got {m!r}", "model")
+        raise _bad(f"model must be a string, got {shown(m)}", "model")
     if m and m != served:
-        raise APIError(404, f"The model {m!r} does not exist: this server serves {served!r}", param="model")
+        raise APIError(404, f"The model {shown(m)} does not exist: this server serves {served!r}", param="model")
 
 
 def _prompt_list(prompt) -> list:
@@ -323,7 +325,7 @@ def _message_text(i: int, content) -> str | None:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 what = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _bad(f"messages[{i}].content[{j}]: only text parts are supported, got {what!r}", "messages")
+                raise _bad(f"messages[{i}].content[{j}]: only text parts are supported, got {shown(what)}", "messages")
             texts.append(part["text"])
         return "\n".join(texts)
     raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
@@ -338,10 +340,10 @@ def parse_chat_messages(messages) -> list[dict]:
             raise _bad(f"messages[{i}] must be an object", "messages")
         extra = sorted(set(m) - _MESSAGE_KEYS)
         if extra:
-            raise _bad(f"messages[{i}]: unsupported field(s) {', '.join(extra)}", "messages")
+            raise _bad(f"messages[{i}]: unsupported field(s) {shown(', '.join(map(str, extra)))}", "messages")
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise _bad(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}", "messages")
+            raise _bad(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {shown(role)}", "messages")
         content = _message_text(i, m.get("content"))
         if content is None and not m.get("tool_calls"):
             raise _bad(f"messages[{i}] has no content", "messages")
@@ -367,7 +369,7 @@ def parse_chat_request(body: Any, model) -> tuple[Job, list[dict], dict, bool]:
     mt = mct if mct is not None else mt
     lp = body.get("logprobs")
     if lp is not None and not isinstance(lp, bool):
-        raise _bad(f"logprobs must be true or false for chat, got {lp!r} (top_logprobs says how many)", "logprobs")
+        raise _bad(f"logprobs must be true or false for chat, got {shown(lp)} (top_logprobs says how many)", "logprobs")
     top = _get_int(body, "top_logprobs")
     if top is not None and not lp:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
@@ -498,12 +500,14 @@ class HTTPFrontend:
 
         @app.exception_handler(404)
         async def not_found(request, exc):
-            return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}", code="not_found").body(),
+            return JSONResponse(APIError(404, f"no route {request.method[:16]} {shown(request.url.path)[1:-1]}",
+                                         code="not_found").body(),
                                 status_code=404)
 
         @app.exception_handler(405)
         async def not_allowed(request, exc):
-            return JSONResponse(APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+            return JSONResponse(APIError(405, f"method {request.method[:16]} is not allowed on "
+                                         f"{shown(request.url.path)[1:-1]}",
                                          type_="invalid_request_error", code="method_not_allowed").body(),
                                 status_code=405)
 
@@ -525,8 +529,8 @@ class HTTPFrontend:
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str):
             if model_id != self.model.name:
-                raise APIError(404, f"The model {model_id!r} does not exist: this server serves {self.model.name!r}",
-                               param="model")
+                raise APIError(404, f"The model {shown(model_id)} does not exist: this server serves "
+                                    f"{self.model.name!r}", param="model")
             return self._model_card()
 
         @app.post("/v1/completions")
@@ -566,7 +570,7 @@ class HTTPFrontend:
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise _bad(f"the request body is not valid JSON: {e}") from None
+                raise _bad(f"the request body is not valid JSON: {str(e)[:200]}") from None
             if not self.server.ready:
                 raise self._unavailable()
             job = await self._parse(body, kind)
@@ -578,13 +582,23 @@ class HTTPFrontend:
 
     async def _parse(self, body, kind: str) -> Job:
         m, lim = self.model, self.server.limits
+        cap = self.servicer.prompt_cap
+        max_bytes = lim.prompt_bytes_limit(cap + 1)   # text over it is refused before it is tokenized
         if kind == "completion":
             job = parse_completion_request(body, m)
             if job.logprobs is not None and job.logprobs > lim.max_logprobs:
                 raise _bad(f"logprobs must be in 0..{lim.max_logprobs}, got {job.logprobs}", "logprobs")
             raw = job.prompts
             texts = [p for p in raw if isinstance(p, str)]
-            encoded = iter(await asyncio.to_thread(lambda: [m.tokenizer.encode(t) for t in texts]) if texts else [])
+            for i, t in enumerate(texts):
+                try:
+                    check_text_bytes("prompt" if len(raw) == 1 else f"prompt {i}",
+                                     len(t) if len(t) > max_bytes else len(t.encode("utf-8", "surrogatepass")),
+                                     max_bytes)
+                except RequestError as e:
+                    raise _bad(e.message, "prompt") from None
+            encoded = iter(await self.servicer.tokenize(lambda: [m.tokenizer.encode(t) for t in texts])
+                           if texts else [])
             prompts = []
             for i, p in enumerate(raw):
                 if isinstance(p, str):
@@ -606,21 +620,30 @@ class HTTPFrontend:
             if not getattr(m, "has_chat_template", False):
                 raise _bad(f"model {m.name!r} has no chat template; use /v1/completions", "messages")
 
+            n_bytes = 0
+            for msg in messages:
+                c = msg.get("content") or ""
+                n_bytes += len(c) if len(c) > max_bytes else len(c.encode("utf-8", "surrogatepass"))
+            try:
+                check_text_bytes("messages", n_bytes, max_bytes)
+            except RequestError as e:
+                raise _bad(e.message, "messages") from None
+
             def render():
                 text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=agp, **kwargs)
                 return m.tokenizer.encode(text, add_special_tokens=False)
             try:
-                ids = await asyncio.to_thread(render)
+                ids = await self.servicer.tokenize(render)
             except (ValueError, TypeError) as e:   # template errors (TokenizerError is a ValueError)
-                raise _bad(f"messages: {e}", "messages") from None
+                raise _bad(f"messages: {str(e)[:300]}", "messages") from None
             if not ids:
                 raise _bad("messages render to no tokens", "messages")
             job.prompts = [ids]
-        cap = lim.prompt_limit(m.max_context)
         for i, ids in enumerate(job.prompts):
             if len(ids) > cap:
                 raise _bad(f"prompt{f' {i}' if len(job.prompts) > 1 else ''} has {len(ids)} tokens, more than the "
-                           f"limit of {cap}", "prompt" if kind == "completion" else "messages")
+                           f"limit of {cap}{self.servicer.prompt_cap_note}",
+                           "prompt" if kind == "completion" else "messages")
         known = COMPLETION_FIELDS | CHAT_FIELDS
         names = {"max_tokens": "max_tokens"}
         for ids in job.prompts:
@@ -673,6 +696,8 @@ class HTTPFrontend:
         self.active += 1
         started = False
         try:
+            for s in slots:   # over max_concurrent_requests: wait in the server's queue
+                await s.wait_turn()
             prompt_lps = await self._prompt_logprobs(job)
             t_validated = time.perf_counter()
             sv.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)
@@ -763,7 +788,7 @@ class HTTPFrontend:
             raise
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the request hanging
             log.exception("HTTP request stream failed")
-            queue.put_nowait(("error", c, APIError(500, f"internal error: {e!r}")))
+            queue.put_nowait(("error", c, APIError(500, f"internal error: {repr(e)[:300]}")))
         finally:
             slot.release()
 

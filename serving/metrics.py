@@ -33,6 +33,10 @@ _COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 CHILD_COMPILES_KEY = "xla_compile_new_s"
 
 
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 class ServerMetrics:
     """All metrics of one server, in its own registry. Thread-safe (prometheus_client objects are)."""
 
@@ -62,8 +66,14 @@ class ServerMetrics:
         self.engine_inbox = Gauge("tbjax_engine_inbox_size", "Commands waiting for the engine thread", registry=r)
         self.running = Gauge("tbjax_engine_running_requests", "Requests the engine is running", registry=r)
         self.waiting = Gauge("tbjax_engine_waiting_requests", "Requests waiting inside the engine", registry=r)
-        self.kv_used = Gauge("tbjax_kv_pages_used", "KV cache pages in use", registry=r)
-        self.kv_total = Gauge("tbjax_kv_pages_total", "KV cache pages in all", registry=r)
+        self.kv_used = Gauge("tbjax_kv_pages_used", "KV cache pages held by requests (not counting the prefix "
+                             "cache's evictable pages: with no request running this is 0, else pages leak)",
+                             registry=r)
+        self.kv_cached = Gauge("tbjax_kv_pages_cached", "KV cache pages held only by the prefix cache (evictable: "
+                               "reused by a later prompt with the same prefix, or freed when pages run short)",
+                               registry=r)
+        self.kv_free = Gauge("tbjax_kv_pages_free", "KV cache pages free", registry=r)
+        self.kv_total = Gauge("tbjax_kv_pages_total", "KV cache pages in all (used + cached + free)", registry=r)
         self.prefix_hit = Gauge("tbjax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
                                 "prompt tokens looked up", registry=r)
         self.transfer_raw = Counter("tbjax_kv_transfer_raw_bytes", "KV bytes moved between workers, before the codec",
@@ -120,15 +130,23 @@ class ServerMetrics:
         stats = dict(stats)
         for sec in stats.pop(CHILD_COMPILES_KEY, None) or ():   # a child engine's new compiles
             self.observe_compile(float(sec))
-        if "kv_pages_used" not in stats and "pages_used" in stats:  # the scheduler's own names
-            stats["kv_pages_used"] = stats["pages_used"]
-            if "pages_free" in stats:
-                stats["kv_pages_total"] = stats["pages_used"] + stats["pages_free"]
+        # allocator pages: used (requests' and the prefix cache's) + free; the prefix cache's evictable ones are
+        # reported on their own, so that tbjax_kv_pages_used is what requests hold
+        used = stats.get("pages_used", stats.get("kv_pages_used"))
+        free = stats.get("pages_free")
+        cached = stats.get("pages_evictable", 0)
+        if _num(used) and _num(cached):
+            stats["kv_pages_used"] = max(used - cached, 0)
+            stats["kv_pages_cached"] = cached
+            if _num(free):
+                stats["kv_pages_free"] = free
+                stats.setdefault("kv_pages_total", used + free)
         for key, gauge in (("running", self.running), ("waiting", self.waiting),
-                           ("kv_pages_used", self.kv_used), ("kv_pages_total", self.kv_total),
+                           ("kv_pages_used", self.kv_used), ("kv_pages_cached", self.kv_cached),
+                           ("kv_pages_free", self.kv_free), ("kv_pages_total", self.kv_total),
                            ("prefix_hit_rate", self.prefix_hit)):
             v = stats.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if _num(v):
                 gauge.set(v)
 
     # -- exposition --------------------------------------------------------------------------------------

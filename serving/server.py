@@ -19,6 +19,7 @@ throughout.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -32,7 +33,8 @@ from grpc_reflection.v1alpha import reflection
 
 from .api import API_VERSION, FINISH_REASONS, METHODS, SERVICE_NAME, Undecodable, lenient_deserializer, pb
 from .engine_loop import Admitted, EngineFailed, EngineLoop, EngineStopped, RequestStream
-from .limits import Limits, RequestError, build_params, check_generate, check_tokenize
+from .limits import (SHOWN_CHARS, Limits, RequestError, build_params, check_generate, check_request_id,
+                     check_tokenize, shown)
 from .metrics import ServerMetrics
 from .model import ServedModel
 
@@ -95,22 +97,30 @@ def take_stops(params) -> list[str]:
 
 
 class Slot:
-    """One accepted request's place in the server's admission counters (in flight; queued until its first token).
-    ``release()`` gives it back once, counting the request under ``outcome``."""
+    """One accepted request's place in the server's admission counters: running (it may be handed to the engine)
+    or waiting (queued) for a running place; ``wait_turn()`` waits until it runs. ``release()`` gives it back once,
+    counting the request under ``outcome``, and lets the oldest waiting request run."""
 
-    __slots__ = ("servicer", "queued", "outcome", "released")
+    __slots__ = ("servicer", "queued", "outcome", "released", "_turn")
 
-    def __init__(self, servicer: "TbjaxServicer"):
+    def __init__(self, servicer: "TbjaxServicer", running: bool):
         self.servicer = servicer
-        self.queued = True
+        self.queued = not running
         self.outcome = "cancelled"
         self.released = False
+        self._turn: asyncio.Future | None = None if running else asyncio.get_running_loop().create_future()
 
-    def dequeue(self) -> None:
+    async def wait_turn(self) -> None:
+        """Return once this request holds a running place (at once when it was admitted as running)."""
+        if self._turn is not None and self.queued:
+            await asyncio.shield(self._turn)
+
+    def dequeue(self) -> None:   # waiting -> running (the servicer's _promote)
         if self.queued:
             self.queued = False
             self.servicer.num_queued -= 1
-            self.servicer._set_gauges()
+            if self._turn is not None and not self._turn.done():
+                self._turn.set_result(None)
 
     def release(self) -> None:
         if self.released:
@@ -120,7 +130,10 @@ class Slot:
         if self.queued:
             self.queued = False
             sv.num_queued -= 1
+            with contextlib.suppress(ValueError):
+                sv._waiting.remove(self)
         sv.num_inflight -= 1
+        sv._promote()
         sv._set_gauges()
         sv.metrics.requests.labels(outcome=self.outcome).inc()
 
@@ -138,9 +151,29 @@ class TbjaxServicer:
         self.metrics = metrics
         self.role = role
         self._active: dict[str, RequestStream] = {}
-        self.num_inflight = 0   # accepted, not finished
-        self.num_queued = 0     # accepted, no token yet
+        self.num_inflight = 0   # accepted, not finished (running + queued)
+        self.num_queued = 0     # accepted, waiting for a running place (limit max_queued_requests)
+        self._waiting: collections.deque[Slot] = collections.deque()   # the queued slots, oldest first
         self.ready = False      # set by Server once the engine is warmed up
+        # tokenizing (and chat templates) runs in threads, at most this many at once (gRPC and HTTP together)
+        self.tokenize_sem = asyncio.Semaphore(limits.max_tokenize_concurrency)
+        # the prompt token limit that applies: the configured one, no larger than the model's context less one and
+        # than what the KV cache holds for one sequence (kv_token_capacity)
+        cap = limits.prompt_limit(model.max_context)
+        kv = kv_token_capacity(getattr(engine_loop, "engine", None))
+        self.prompt_cap = cap if kv is None else max(1, min(cap, kv))
+        self.prompt_cap_note = (f" (what the KV cache's pages hold for one sequence: {kv} tokens)"
+                                if kv is not None and kv < cap else "")
+
+    @property
+    def num_running(self) -> int:
+        """Accepted and holding a running place: handed (or about to be handed) to the engine, not finished."""
+        return self.num_inflight - self.num_queued
+
+    async def tokenize(self, fn, *args, **kw):
+        """``fn(*args, **kw)`` in a thread, at most ``limits.max_tokenize_concurrency`` at once."""
+        async with self.tokenize_sem:
+            return await asyncio.to_thread(fn, *args, **kw)
 
     def _startup_message(self) -> str:
         status = getattr(self.engine_loop, "startup_status", None)
@@ -159,29 +192,43 @@ class TbjaxServicer:
 
     # -- shared by the front ends --------------------------------------------------------------------------
     def admit(self, n: int = 1) -> list[Slot]:
-        """Take ``n`` places (in flight and queued) for requests, or raise ``RequestError(RESOURCE_EXHAUSTED)``
-        naming the limit (nothing taken then)."""
+        """Take ``n`` places for requests, or raise ``RequestError(RESOURCE_EXHAUSTED)`` naming the limit (nothing
+        taken then). A request runs (is handed to the engine) while fewer than ``max_concurrent_requests`` run;
+        otherwise it waits in the server's queue (``Slot.wait_turn``), which holds at most ``max_queued_requests``.
+        The ``n`` requests of one HTTP call all run or all wait (behind the ones waiting already)."""
         lim = self.limits
-        if self.num_inflight + n > lim.max_concurrent_requests:
+        need = f", this one needs {n}" if n > 1 else ""
+        if n > lim.max_concurrent_requests:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server busy: {self.num_inflight} requests in flight (limit "
-                               f"{lim.max_concurrent_requests}{f', this one needs {n}' if n > 1 else ''}); "
+                               f"server busy: this request needs {n} running requests at once, more than the limit "
+                               f"of {lim.max_concurrent_requests}")
+        running = self.num_running
+        if not self._waiting and running + n <= lim.max_concurrent_requests:
+            slots = [Slot(self, running=True) for _ in range(n)]
+        elif self.num_queued + n <= lim.max_queued_requests:
+            slots = [Slot(self, running=False) for _ in range(n)]
+            self._waiting.extend(slots)
+            self.num_queued += n
+        else:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {running} requests running (limit {lim.max_concurrent_requests}) and "
+                               f"{self.num_queued} waiting, queue full (limit {lim.max_queued_requests}{need}); "
                                "retry later")
-        if self.num_queued + n > lim.max_queued_requests:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"queue full: {self.num_queued} requests waiting for their first token (limit "
-                               f"{lim.max_queued_requests}{f', this one needs {n}' if n > 1 else ''}); retry later")
         self.num_inflight += n
-        self.num_queued += n
         self._set_gauges()
-        return [Slot(self) for _ in range(n)]
+        return slots
+
+    def _promote(self) -> None:
+        """Let the oldest waiting requests run while there is room."""
+        while self._waiting and self.num_running < self.limits.max_concurrent_requests:
+            self._waiting.popleft().dequeue()
 
     def submit(self, slot: Slot, rid: str, prompt_ids: list[int], params) -> RequestStream:
         """Hand an admitted, validated request to the engine; returns its stream (for ``stream``). Raises
         RequestError (ALREADY_EXISTS for an id in flight, UNAVAILABLE when the engine has stopped)."""
         if rid in self._active:
             slot.outcome = "rejected"
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request id {shown(rid)} is already in flight")
         stream = RequestStream(asyncio.get_running_loop(), rid)
         try:
             self.engine_loop.submit(rid, prompt_ids, params, stream)
@@ -250,8 +297,6 @@ class TbjaxServicer:
                     t_last = now
                     n_out += len(new_ids)
                     self.metrics.output_tokens.inc(len(new_ids))
-                if new_ids or finished:
-                    slot.dequeue()
                 if finished and error is None:
                     slot.outcome = reason
                     self.metrics.e2e.observe(now - t_arrival)
@@ -274,7 +319,10 @@ class TbjaxServicer:
                         slot.outcome, code = "rejected", grpc.StatusCode.INVALID_ARGUMENT
                     else:
                         slot.outcome, code = "error", grpc.StatusCode.INTERNAL
-                    raise StreamFailed(code, str(error) or type(error).__name__)
+                    msg = str(error) or type(error).__name__
+                    if len(rid) > SHOWN_CHARS:   # engine messages name the request: never echo a long id
+                        msg = msg.replace(repr(rid), shown(rid))
+                    raise StreamFailed(code, msg[:2048])
                 if finished:
                     return
         finally:
@@ -291,13 +339,14 @@ class TbjaxServicer:
         t_arrival = time.perf_counter()
         if isinstance(request, Undecodable):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"cannot parse {request.type_name}: {request.reason}")
+                               f"cannot parse {request.type_name}: {request.reason[:200]}")
         if not self.ready:   # still compiling: say so at once rather than queue behind the warm-up
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, self._startup_message())
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         try:
+            check_request_id(request.request_id, self.limits)
             slot, = self.admit()
         except RequestError as e:
             await self._reject(context, e.code, e.message)
@@ -305,15 +354,17 @@ class TbjaxServicer:
             m = self.model
             try:
                 kw = dict(model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
-                          max_context=m.max_context, limits=self.limits)
+                          max_context=m.max_context, limits=self.limits, prompt_cap=self.prompt_cap,
+                          prompt_cap_note=self.prompt_cap_note)
                 if request.WhichOneof("input") == "prompt_token_ids" and len(request.prompt_token_ids.ids) <= 4096:
                     checked = check_generate(request, **kw)   # ~0.15 ms for 1k ids: cheaper than a thread hop
-                else:   # tokenizing / chat templates can take milliseconds: off the loop
-                    checked = await asyncio.to_thread(check_generate, request, **kw)
+                else:   # tokenizing / chat templates can take milliseconds: off the loop, a few at a time
+                    checked = await self.tokenize(check_generate, request, **kw)
                 params = build_params(m.make_params, checked.params, m.vocab_size)
             except RequestError as e:
                 slot.outcome = "rejected"
                 await self._reject(context, e.code, e.message)
+            await slot.wait_turn()   # over max_concurrent_requests: wait in the queue (validated meanwhile)
             rid = request.request_id or uuid.uuid4().hex
             t_validated = time.perf_counter()
             self.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)
@@ -345,11 +396,11 @@ class TbjaxServicer:
     async def Tokenize(self, request, context):
         if isinstance(request, Undecodable):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"cannot parse {request.type_name}: {request.reason}")
+                               f"cannot parse {request.type_name}: {request.reason[:200]}")
         m = self.model
         try:
-            ids = await asyncio.to_thread(check_tokenize, request, model_name=m.name, tokenizer=m.tokenizer,
-                                          vocab_size=m.vocab_size, limits=self.limits)
+            ids = await self.tokenize(check_tokenize, request, model_name=m.name, tokenizer=m.tokenizer,
+                                      vocab_size=m.vocab_size, limits=self.limits, max_context=self.prompt_cap + 1)
         except RequestError as e:
             await self._reject(context, e.code, e.message)
         return pb.TokenizeResponse(token_ids=ids)
@@ -358,9 +409,20 @@ class TbjaxServicer:
         m, lim = self.model, self.limits
         return pb.ModelInfoResponse(
             model=m.name, arch=m.arch, vocab_size=m.vocab_size, max_context=m.max_context,
-            max_prompt_tokens=lim.prompt_limit(m.max_context), max_tokens_limit=lim.max_tokens,
+            max_prompt_tokens=self.prompt_cap, max_tokens_limit=lim.max_tokens,
             default_max_tokens=lim.default_max_tokens, eos_token_ids=list(m.eos_token_ids),
             has_chat_template=m.has_chat_template, role=self.role, api_version=API_VERSION)
+
+
+def kv_token_capacity(engine) -> int | None:
+    """KV positions one sequence can hold in ``engine``'s page pool (one dp rank's usable pages x page size), or
+    None when it cannot be read here (no engine in this process: router, engine in a child process)."""
+    sched = getattr(engine, "scheduler", None)
+    cfg = getattr(sched, "config", None)
+    pages, page_size = getattr(cfg, "usable_pages", None), getattr(sched, "page_size", None)
+    if isinstance(pages, int) and isinstance(page_size, int) and pages > 0 and page_size > 0:
+        return pages * page_size
+    return None
 
 
 def _generic_handler(servicer: TbjaxServicer) -> grpc.GenericRpcHandler:

@@ -322,25 +322,36 @@ def test_openai_client_errors(fast):
 
 
 def test_overload_is_429_and_counts_with_grpc():
+    import concurrent.futures
+
+    import grpc
     model = fake_served_model(step_time_s=0.01)
-    with ServerThread(model, metrics_port=None, http_port=0, limits=Limits(max_concurrent_requests=2)) as st, \
-            Client(st.address, timeout=30) as c:
+    lim = Limits(max_concurrent_requests=2, max_queued_requests=1)
+    with ServerThread(model, metrics_port=None, http_port=0, limits=lim) as st, \
+            Client(st.address, timeout=30) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         oa = _client(st)
         stream = oa.completions.create(model="fake", prompt=[20, 21], max_tokens=300, n=2, extra_body=IGN,
                                        temperature=0, stream=True)
-        next(iter(stream))
-        with pytest.raises(openai.RateLimitError) as e:
+        next(iter(stream))              # 2 running: the next request waits in the queue (limit 1)...
+        waiting = pool.submit(lambda: oa.completions.create(model="fake", prompt=[5], max_tokens=2, temperature=0))
+        sv = st.server.servicer
+        deadline = time.time() + 10
+        while sv.num_queued != 1 and time.time() < deadline:
+            time.sleep(0.01)
+        assert sv.num_queued == 1 and sv.num_running == 2
+        with pytest.raises(openai.RateLimitError) as e:   # ... and the one after it is refused
             oa.completions.create(model="fake", prompt="x", max_tokens=2)
-        assert e.value.status_code == 429 and "busy" in e.value.message
-        import grpc
+        assert e.value.status_code == 429 and "busy" in e.value.message and "queue full" in e.value.message
         with pytest.raises(grpc.RpcError) as g:   # the same limit for gRPC
             c.generate(token_ids=[5], max_tokens=2)
         assert g.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        stream.close()                 # the client goes away: both requests are aborted
+        assert not waiting.done()
+        stream.close()                 # the client goes away: both requests are aborted, the waiting one runs
+        assert waiting.result(30).choices[0].text
         _wait_all_free(st)
         r = oa.completions.create(model="fake", prompt=[5], max_tokens=2, temperature=0)   # room again
         assert r.choices[0].text
-        with pytest.raises(openai.RateLimitError):   # n over the limit at once
+        with pytest.raises(openai.RateLimitError):   # n over the running limit at once: never fits
             oa.completions.create(model="fake", prompt=[5], max_tokens=2, n=3)
 
 

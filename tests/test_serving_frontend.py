@@ -265,6 +265,10 @@ class _SlowOnce(FakeEngine):
         return super().step()
 
 
+async def _counts(sv):
+    return sv.num_running, sv.num_queued
+
+
 def test_backpressure_engine_refusal_and_engine_crash():
     model = fake_served_model(step_time_s=0.01, num_pages=40, page_size=4, max_model_len=512)
     eng = _SlowOnce(num_pages=40, page_size=4, max_model_len=512, step_time_s=0.01)
@@ -275,35 +279,33 @@ def test_backpressure_engine_refusal_and_engine_crash():
         with pytest.raises(grpc.RpcError) as e:
             c.generate(token_ids=[5] * 100, max_tokens=100)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pages" in e.value.details()
-        # two long streams that have started (not queued any more) + one queued...
+        # limits 3 / 2: three streams run, two more wait in the server's queue, the sixth is refused
         s1 = c.generate_stream(token_ids=[5], max_tokens=50, ignore_eos=True)
         s2 = c.generate_stream(token_ids=[6], max_tokens=50, ignore_eos=True)
-        next(s1), next(s2)
         s3 = c.generate_stream(token_ids=[7], max_tokens=50, ignore_eos=True)
-        next(s3)
-        gate = threading.Event()
-        held = st.server.engine_loop.call(lambda e: gate.wait(30))   # nothing finishes meanwhile
-        try:
-            with pytest.raises(grpc.RpcError) as e:      # 3 in flight: the 4th is refused
-                c.generate("x", max_tokens=2)
-        finally:
-            gate.set()
-        held.result(30)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in e.value.details()
-        s3.close()
-        _ = [ch for ch in s1], [ch for ch in s2]
-        assert c.generate("x", max_tokens=2).completion_tokens == 2     # accepted again
-        # queue limit: block the engine thread so requests stay queued
-        gate = threading.Event()
-        st.server.engine_loop.call(lambda e: gate.wait(10))
-        q1 = c.generate_call(pb.GenerateRequest(prompt="a", params=pb.SamplingParams(max_tokens=2)))
+        next(s1), next(s2), next(s3)
+        sv = st.server.servicer
+        q1 = c.generate_call(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8]),
+                                                params=pb.SamplingParams(max_tokens=2, temperature=0)))
         q2 = c.generate_call(pb.GenerateRequest(prompt="b", params=pb.SamplingParams(max_tokens=2)))
-        time.sleep(0.3)
+        deadline = time.time() + 10
+        while st.run_coro(_counts(sv)) != (3, 2) and time.time() < deadline:
+            time.sleep(0.01)
+        assert st.run_coro(_counts(sv)) == (3, 2)      # (running, waiting)
+        added = st.server.engine_loop.call(lambda e: e.num_added).result(10)
         with pytest.raises(grpc.RpcError) as e:
-            c.generate("c", max_tokens=2, timeout=5)
+            c.generate("x", max_tokens=2)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.value.details()
-        gate.set()
-        assert sum(len(r.token_ids) for r in q1) == 2 and sum(len(r.token_ids) for r in q2) == 2
+        assert "3 requests running" in e.value.details() and "2 waiting" in e.value.details()
+        # the waiting ones never reached the engine
+        assert st.server.engine_loop.call(lambda e: e.num_added).result(10) == added
+        s3.close()        # a running place frees: the oldest waiting request runs
+        got = [t for r in q1 for t in r.token_ids]
+        assert got == reference([8], 2)[0]
+        assert sum(len(r.token_ids) for r in q2) == 2
+        _ = [ch for ch in s1], [ch for ch in s2]
+        assert st.run_coro(_counts(sv)) == (0, 0)
+        assert c.generate("x", max_tokens=2).completion_tokens == 2     # accepted again
         # an engine crash fails the requests in flight with INTERNAL; the server keeps serving
         eng.armed = True
         with pytest.raises(grpc.RpcError) as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -81,14 +82,30 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                      help="Prometheus port (0: any free port, -1: no metrics endpoint)")
     net.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on shutdown")
+    sec = ap.add_argument_group("security")
+    sec.add_argument("--tls-cert", default=None,
+                     help="PEM certificate (chain): serve gRPC and the HTTP API over TLS (with --tls-key)")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--api-key", default=None,
+                     help="require 'authorization: Bearer <key>' on every gRPC call (else UNAUTHENTICATED; gRPC health "
+                          "checks stay open) and HTTP request (else 401; GET /health stays open); default: the "
+                          "environment variable TBJAX_API_KEY, if set")
+    sec.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                     help="gRPC server reflection (grpcurl can list the services); --no-reflection turns it off")
     d = Limits()
     lim = ap.add_argument_group("limits")
     lim.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context - 1")
     lim.add_argument("--max-tokens-limit", type=int, default=d.max_tokens, help="largest max_tokens accepted")
     lim.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
-    lim.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
-    lim.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    lim.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                     help="requests running at once (handed to the engine, not finished); more wait in the queue")
+    lim.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                     help="requests waiting in the server's queue for a running place; beyond: "
+                          "RESOURCE_EXHAUSTED / 429")
     lim.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    lim.add_argument("--max-prompt-bytes", type=int, default=None,
+                     help="UTF-8 bytes of prompt text (a chat's contents) checked before tokenizing; default: 32 x the "
+                          "prompt token limit, at least 64 KiB")
     eng = ap.add_argument_group("engine")
     eng.add_argument("--max-num-seqs", type=int, default=None)
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -327,7 +344,8 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                  before_ready=None) -> int:
     limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
                     default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
-                    max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
+                    max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes,
+               max_prompt_bytes=a.max_prompt_bytes)
     server = Server(model, host=a.host, port=a.port, limits=limits, metrics_host=a.metrics_host,
                     metrics_port=None if a.metrics_port < 0 else a.metrics_port, role=a.role,
                     prefill_workers=[w for w in a.prefill_workers.split(",") if w],
@@ -335,7 +353,8 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
                     kv_timeout_s=a.kv_timeout, kv_chunk_pages=a.kv_chunk_pages, worker_timeout_s=a.worker_timeout,
                     kv_shm_bytes=a.kv_shm_mb << 20, kv_copier=a.kv_copier, kv_ipc_bytes=a.kv_ipc_mb << 20,
                     engine_factory=engine_factory, warmup=a.warmup and a.role != "router", warmup_progress=True,
-                    http_port=http_port(a), http_host=a.host)
+                    http_port=http_port(a), http_host=a.host, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                    api_key=a.api_key, reflection=a.reflection)
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -424,11 +443,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.role not in ("colocated", "decode") or a.fake_engine:
             ap.error(f"--mesh is for the colocated or decode role of a real model (got --role {a.role}"
                      f"{', --fake-engine' if a.fake_engine else ''})")
+    if (a.tls_cert is None) != (a.tls_key is None):
+        ap.error("--tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"{flag} {path}: no such file")
+    if a.api_key == "":
+        ap.error("--api-key must not be empty")
+    if a.api_key is None and a.role not in ("prefill", "decode"):
+        a.api_key = os.environ.get("TBJAX_API_KEY") or None
+    if (a.api_key or a.tls_cert) and a.role in ("prefill", "decode"):
+        ap.error(f"--api-key / --tls-cert are for the public server (roles colocated, router, split), not the "
+                 f"{a.role} worker (its router talks to it in plaintext without a key: keep workers on a private "
+                 "network)")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
                default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
-               max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes)
+               max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes,
+               max_prompt_bytes=a.max_prompt_bytes)
     except ValueError as e:
         print(f"tbjax: bad limits: {e}", file=sys.stderr)
         return 2

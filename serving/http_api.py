@@ -450,8 +450,11 @@ class HTTPFrontend:
             raise OSError(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}") from None
         sock.listen(2048)
         sock.setblocking(False)
+        tls = {}
+        if self.server.tls_cert is not None:     # --tls-cert / --tls-key: HTTPS with the gRPC port's certificate
+            tls = dict(ssl_certfile=self.server.tls_cert, ssl_keyfile=self.server.tls_key)
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=1, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=1, timeout_keep_alive=30, interface="asgi3", **tls)
         config.load()
         srv = uvicorn.Server(config)
         srv.lifespan = config.lifespan_class(config)
@@ -541,6 +544,8 @@ class HTTPFrontend:
         async def chat_completions(request: Request):
             return await self._handle(request, "chat")
 
+        if self.server.api_key is not None:
+            return _ApiKeyGate(app, self.server.api_key, self.server.metrics)
         return app
 
     def _model_card(self) -> dict:
@@ -860,6 +865,40 @@ class HTTPFrontend:
         return list(b)
 
 
+class _ApiKeyGate:
+    """``--api-key`` (an ASGI wrapper, so that streamed answers pass through untouched): every HTTP request but
+    ``GET /health`` needs ``Authorization: Bearer <key>`` (compared in constant time), else 401 with OpenAI's error
+    body (code ``invalid_api_key``)."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, api_key: str, metrics=None):
+        self.app = app
+        self._expected = ("Bearer " + api_key).encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") not in self.OPEN_PATHS:
+            import hmac
+            got = b""
+            for k, v in scope.get("headers") or ():
+                if k == b"authorization":
+                    got = v
+                    break
+            if not hmac.compare_digest(got, self._expected):
+                if self.metrics is not None:
+                    self.metrics.rejected.labels(code="HTTP_401").inc()
+                err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               type_="invalid_request_error", code="invalid_api_key")
+                body = json.dumps(err.body()).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 class _CleanupStream(StreamingResponse):
     """A streaming response that runs ``cleanup`` however its sending ends (a client that goes away before the first
     chunk leaves the body generator unstarted, so the generator's own ``finally`` would never run)."""
@@ -869,8 +908,11 @@ class _CleanupStream(StreamingResponse):
         self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send):
+        from starlette.requests import ClientDisconnect
         try:
             await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError) as e:   # the client went away mid-stream: not the server's error
+            log.debug("HTTP client disconnected during a streamed answer: %r", e)
         finally:
             await self._cleanup()
 

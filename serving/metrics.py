@@ -61,8 +61,9 @@ class ServerMetrics:
         self.requests = Counter("tbjax_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.rejected = Counter("tbjax_requests_rejected", "Requests refused before the engine", ["code"],
                                 registry=r)
-        self.inflight = Gauge("tbjax_requests_inflight", "Accepted, not finished", registry=r)
-        self.queued = Gauge("tbjax_requests_queued", "Accepted, waiting for their first token", registry=r)
+        self.inflight = Gauge("tbjax_requests_inflight", "Accepted, not finished (running + queued)", registry=r)
+        self.queued = Gauge("tbjax_requests_queued", "Accepted, waiting in the server's queue for a running place "
+                            "(over --max-concurrent-requests)", registry=r)
         self.engine_inbox = Gauge("tbjax_engine_inbox_size", "Commands waiting for the engine thread", registry=r)
         self.running = Gauge("tbjax_engine_running_requests", "Requests the engine is running", registry=r)
         self.waiting = Gauge("tbjax_engine_waiting_requests", "Requests waiting inside the engine", registry=r)

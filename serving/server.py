@@ -14,6 +14,16 @@ UNAVAILABLE saying how far the warm-up got (never queued: a client must not hang
 Then health turns SERVING and ``tbjax_ready`` 1. ``Tokenize`` and ``ModelInfo`` never touch the engine and answer
 throughout.
 
+Admission (``TbjaxServicer.admit``, shared with HTTP): ``max_concurrent_requests`` requests run (are handed to the
+engine) at once; more wait in the server's queue, oldest first, up to ``max_queued_requests``; beyond that
+RESOURCE_EXHAUSTED. Validation (tokenizing in threads, ``limits.max_tokenize_concurrency`` at once) runs while a
+request waits.
+
+Security (``Server(tls_cert=, tls_key=, api_key=, reflection=)``, the CLI's ``--tls-cert`` / ``--tls-key`` /
+``--api-key`` / ``--no-reflection``): TLS for gRPC (``grpc.ssl_server_credentials``) and the HTTP API; with an API
+key every RPC but gRPC health checking needs ``authorization: Bearer <key>`` metadata (``ApiKeyInterceptor``; health
+stays open for probes and says only SERVING / NOT_SERVING), else UNAUTHENTICATED.
+
 ``ServerThread`` runs a ``Server`` on a loop in a background thread (tests, notebooks, the load tool).
 """
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import logging
 import threading
 import time
@@ -390,6 +401,9 @@ class TbjaxServicer:
                         yield resp
                 except StreamFailed as e:
                     await self._reject(context, e.code, e.message)
+                except asyncio.CancelledError:   # the client went away / its deadline passed: an outcome, not an error
+                    log.debug("request %s: cancelled by the client or its deadline", shown(rid))
+                    raise
         finally:
             slot.release()
 
@@ -462,6 +476,54 @@ class _ReadyGate(grpc.GenericRpcHandler):
         return grpc.stream_stream_rpc_method_handler(refuse, **kw)
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """``--api-key``: every RPC must carry ``authorization: Bearer <key>`` metadata, else UNAUTHENTICATED (compared
+    in constant time). gRPC health checking (grpc.health.v1.Health) stays open, so that load balancers and
+    orchestrators can probe the server without the key; it says only SERVING / NOT_SERVING. Reflection and the
+    worker services need the key like tbjax.v1."""
+
+    OPEN_PREFIX = "/grpc.health.v1.Health/"
+
+    def __init__(self, api_key: str, metrics: ServerMetrics | None = None):
+        self._expected = ("Bearer " + api_key).encode()
+        self.metrics = metrics
+
+    def authorized(self, metadata) -> bool:
+        for k, v in metadata or ():
+            if k == "authorization":
+                got = v.encode() if isinstance(v, str) else bytes(v)
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(self.OPEN_PREFIX) or \
+                self.authorized(handler_call_details.invocation_metadata):
+            return handler
+        metrics = self.metrics
+
+        async def refuse(request, context):
+            if metrics is not None:
+                metrics.rejected.labels(code="UNAUTHENTICATED").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong API key: send the metadata 'authorization: Bearer <key>'")
+
+        return _same_kind(handler, refuse)
+
+
+def _same_kind(h, behaviour):
+    """A method handler of ``h``'s kind (unary / streaming) and serializers that runs ``behaviour`` instead."""
+    kw = dict(request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
+    if h.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(behaviour, **kw)
+    if h.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(behaviour, **kw)
+    if h.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(behaviour, **kw)
+    return grpc.stream_stream_rpc_method_handler(behaviour, **kw)
+
+
 ROLES = ("colocated", "prefill", "decode", "router")
 
 
@@ -481,7 +543,8 @@ class Server:
                  kv_timeout_s: float = 10.0, kv_chunk_pages: int = 16, worker_timeout_s: float = 60.0,
                  kv_shm_bytes: int = 256 << 20, kv_copier: str = "auto", kv_ipc_bytes: int = 256 << 20,
                  engine_factory=None, warmup: bool = False, warmup_progress: bool = False,
-                 http_port: int | None = None, http_host: str | None = None):
+                 http_port: int | None = None, http_host: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, api_key: str | None = None, reflection: bool = True):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         if engine_factory is not None and role != "colocated":
@@ -524,6 +587,14 @@ class Server:
         self.http_host, self.http_port = http_host or host, http_port
         self.http = None
         self.bound_http_port: int | None = None
+        # security switches (see SECURITY in the module docstring): TLS for gRPC and HTTP, a bearer token, reflection
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
+        self.tls_cert, self.tls_key = tls_cert, tls_key
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must not be empty (None: no authentication)")
+        self.api_key = api_key
+        self.reflection = reflection
 
     @property
     def ready(self) -> bool:
@@ -541,7 +612,7 @@ class Server:
         if self.bound_http_port is None:
             return None
         h = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
-        return f"http://{h}:{self.bound_http_port}"
+        return f"{'https' if self.tls_cert else 'http'}://{h}:{self.bound_http_port}"
 
     async def start(self) -> int:
         """``listen()``, then ``wait_ready()``: returns the port once the server serves."""
@@ -553,7 +624,15 @@ class Server:
         """Listen (health NOT_SERVING, Generate refused with UNAVAILABLE) and start the engine loop, which warms the
         engine up first when asked to; ``wait_ready`` then waits for it. Returns the bound port."""
         mb = self.limits.max_message_bytes
-        server = grpc.aio.server(options=[
+        credentials = None
+        if self.tls_cert is not None:
+            with open(self.tls_key, "rb") as f:
+                key = f.read()
+            with open(self.tls_cert, "rb") as f:
+                cert = f.read()
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+        interceptors = [ApiKeyInterceptor(self.api_key, self.metrics)] if self.api_key is not None else []
+        server = grpc.aio.server(interceptors=interceptors, options=[
             # a decode worker receives KV chunks (a few MB each): the public limit applies to tbjax.v1 requests
             # only through Limits' own check there
             ("grpc.max_receive_message_length", max(mb, 64 << 20) if self.role == "decode" else mb),
@@ -568,9 +647,13 @@ class Server:
                 server.add_generic_rpc_handlers((_ReadyGate(self.pd_service.handler(), self.servicer),))
                 self.pd_service.start()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if self.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         h = f"[{self.host}]" if ":" in self.host else self.host
-        port = server.add_insecure_port(f"{h}:{self.port}")
+        if credentials is not None:
+            port = server.add_secure_port(f"{h}:{self.port}", credentials)
+        else:
+            port = server.add_insecure_port(f"{h}:{self.port}")
         if port == 0:
             raise OSError(f"cannot listen on {h}:{self.port}")
         self.metrics.ready.set(0)

@@ -2,7 +2,8 @@
 
 Loaders (GGUF, safetensors) only know how to fetch one named tensor in Hugging Face orientation ([out, in]);
 this module owns the mapping to the tree layout (stacked per layer group, [in, out] matrices, fused QKV, gate and
-up as one [in, 2, out] matrix).
+up as one [in, 2, out] matrix; MoE routers and experts, MLA projections). It imports no other loader: GGUF,
+safetensors_dir and hf_names_moe sit above it.
 """
 from __future__ import annotations
 
@@ -35,10 +36,47 @@ def _need(get: Getter, name: str, layer: int | None, shape: tuple[int, ...], whe
     return t
 
 
+def _moe_mla_param(spec: ModelSpec, get: Getter, name: str, i: int, where: str) -> np.ndarray | None:
+    """Tree parameter `name` of layer i ([in, out] matrices) for MoE / MLA parameters; None if not one of them.
+
+    The logical source names (`mla.*`, `moe.*`) are mapped to checkpoint tensor names in hf_names_moe.py."""
+    D = spec.d_model
+    if spec.mla is not None:
+        m = spec.mla
+        N, dq = spec.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+        shapes = {"wq_a": ("mla.q_a", (m.q_lora_rank, D)), "wq_b": ("mla.q_b", (N * dq, m.q_lora_rank)),
+                  "wq": ("mla.q", (N * dq, D)),
+                  "wkv_a": ("mla.kv_a", (m.kv_lora_rank + m.qk_rope_head_dim, D)),
+                  "wkv_b": ("mla.kv_b", (N * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
+                  "w_o": ("mla.o", (D, N * m.v_head_dim))}
+        if name in shapes:
+            src, shp = shapes[name]
+            return _need(get, src, i, shp, where).T
+        if name == "q_a_norm":
+            return _need(get, "mla.q_a_norm", i, (m.q_lora_rank,), where)
+        if name == "kv_a_norm":
+            return _need(get, "mla.kv_a_norm", i, (m.kv_lora_rank,), where)
+    if spec.moe is not None:
+        mo = spec.moe
+        E, F, Fs = mo.n_experts, mo.expert_ffn_dim, mo.shared_ffn_dim
+        if name == "router":
+            return _need(get, "moe.router", i, (E, D), where).T
+        if name == "router_bias":
+            return _need(get, "moe.router_bias", i, (E,), where)
+        if name in ("we_gate", "we_up", "we_down"):
+            proj = name[len("we_"):]
+            shp = (D, F) if proj == "down" else (F, D)
+            return np.stack([_need(get, f"moe.expert.{e}.{proj}", i, shp, where).T for e in range(E)])
+        if name in ("ws_gate", "ws_up", "ws_down"):
+            proj = name[len("ws_"):]
+            shp = (D, Fs) if proj == "down" else (Fs, D)
+            return _need(get, f"moe.shared.{proj}", i, shp, where).T
+    return None
+
+
 def _layer_param(spec: ModelSpec, get: Getter, name: str, i: int, where: str) -> np.ndarray:
     D, N, K, H, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.ffn_dim
-    if spec.moe is not None or spec.mla is not None:   # MoE / MLA parameters: tbjax/weights/hf_names_moe.py
-        from tbjax.weights.hf_names_moe import layer_param as _moe_mla_param
+    if spec.moe is not None or spec.mla is not None:
         t = _moe_mla_param(spec, get, name, i, where)
         if t is not None:
             return t

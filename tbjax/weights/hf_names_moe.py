@@ -3,33 +3,26 @@ fp8 block-scaled weights (`weight_scale_inv`), mapped onto tbjax's parameter tre
 
 Why: the dense loader (safetensors_dir.py) knows llama-style names; MoE and MLA checkpoints add routers, correction
 biases, per-expert matrices, shared experts and latent-attention projections, and DeepSeek stores most matrices as
-float8_e4m3fn with one float32 scale per 128x128 block. `assemble.py` hands every parameter name it does not own
-to `layer_param` here.
+float8_e4m3fn with one float32 scale per 128x128 block. `assemble.py` maps the logical names (`mla.*`, `moe.*`)
+onto the tree; this module maps them onto checkpoint tensor names.
 
 fp8: a weight W [out, in] stored as q (e4m3) with `weight_scale_inv` s [ceil(out/bo), ceil(in/bi)]
 (`quantization_config.weight_block_size` = [bo, bi]) means W = q * s of its block (DeepSeek's `weight_dequant`).
 We dequantize in float32 and record s, transposed to the tree's [in, out] orientation, so DP attention can ship
 the weights in fp8 again without loss (sharding/packed.py, encoding "fp8_block").
-safetensors' numpy reader cannot return float8 tensors, so tensors are read here from the files directly
-(header JSON + raw bytes, through numpy memmaps).
+Tensors are read through safetensors_dir.SafetensorsIndex, which also returns float8 tensors.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
-import struct
 
 import ml_dtypes
 import numpy as np
 
 from tbjax.spec import ModelSpec
-from tbjax.weights.assemble import WeightLoadError, _need, assemble
-from tbjax.weights.safetensors_dir import HF_NAMES
-
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-              "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+from tbjax.weights.assemble import WeightLoadError, assemble
+from tbjax.weights.safetensors_dir import HF_NAMES, SafetensorsIndex
 
 # Names the dense loader already knows.
 BASE_NAMES = HF_NAMES
@@ -91,44 +84,6 @@ def block_dequant(q, scale_inv, block_out_in: tuple[int, int]) -> np.ndarray:
     return np.asarray(q, np.float32) * s
 
 
-class _Index:
-    """Tensor name -> (file, dtype, shape, byte offsets) for every *.safetensors file of a directory."""
-
-    def __init__(self, path: str):
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise WeightLoadError(f"no *.safetensors files in {path}")
-        self.where: dict[str, tuple] = {}
-        for f in files:
-            try:
-                with open(f, "rb") as fh:
-                    n = struct.unpack("<Q", fh.read(8))[0]
-                    header = json.loads(fh.read(n))
-            except Exception as e:
-                raise WeightLoadError(f"{f}: not a readable safetensors file (truncated or corrupt?): {e}") from None
-            size = os.path.getsize(f)
-            for k, v in header.items():
-                if k == "__metadata__":
-                    continue
-                b, e = v["data_offsets"]
-                if 8 + n + e > size:
-                    raise WeightLoadError(f"{f}: tensor {k} extends past the end of the file (truncated?)")
-                self.where[k] = (f, v["dtype"], tuple(v["shape"]), 8 + n + b, e - b)
-
-    def read(self, key: str) -> np.ndarray | None:
-        w = self.where.get(key)
-        if w is None:
-            return None
-        f, dt, shape, off, nbytes = w
-        if dt not in _ST_DTYPES:
-            raise WeightLoadError(f"{f}: tensor {key} has unsupported dtype {dt}")
-        npdt = np.dtype(_ST_DTYPES[dt])
-        if nbytes != int(np.prod(shape, dtype=np.int64)) * npdt.itemsize:
-            raise WeightLoadError(f"{f}: tensor {key} holds {nbytes} bytes, shape {shape} x {dt} needs "
-                                  f"{int(np.prod(shape)) * npdt.itemsize}")
-        return np.array(np.memmap(f, dtype=npdt, mode="r", offset=off, shape=shape))
-
-
 class HFGetter:
     """Getter (logical name, layer) -> float32 array in HF orientation, dequantizing fp8 block-scaled weights.
 
@@ -136,7 +91,7 @@ class HFGetter:
 
     def __init__(self, path: str, spec: ModelSpec, block_out_in: tuple[int, int] = (128, 128)):
         self.path, self.spec, self.block = path, spec, tuple(block_out_in)
-        self.index = _Index(path)
+        self.index = SafetensorsIndex(path)
         self.scales: dict[tuple[str, int | None], np.ndarray] = {}
 
     def __call__(self, name: str, layer: int | None):
@@ -154,42 +109,6 @@ class HFGetter:
             self.scales[(name, layer)] = np.asarray(s, np.float32)
             return block_dequant(t, s, self.block)
         return t.astype(np.float32)
-
-
-def layer_param(spec: ModelSpec, get, name: str, i: int, where: str) -> np.ndarray | None:
-    """Tree parameter `name` of layer i ([in, out] matrices) for MoE / MLA parameters; None if not one of them."""
-    D = spec.d_model
-    if spec.mla is not None:
-        m = spec.mla
-        N, dq = spec.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
-        shapes = {"wq_a": ("mla.q_a", (m.q_lora_rank, D)), "wq_b": ("mla.q_b", (N * dq, m.q_lora_rank)),
-                  "wq": ("mla.q", (N * dq, D)),
-                  "wkv_a": ("mla.kv_a", (m.kv_lora_rank + m.qk_rope_head_dim, D)),
-                  "wkv_b": ("mla.kv_b", (N * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
-                  "w_o": ("mla.o", (D, N * m.v_head_dim))}
-        if name in shapes:
-            src, shp = shapes[name]
-            return _need(get, src, i, shp, where).T
-        if name == "q_a_norm":
-            return _need(get, "mla.q_a_norm", i, (m.q_lora_rank,), where)
-        if name == "kv_a_norm":
-            return _need(get, "mla.kv_a_norm", i, (m.kv_lora_rank,), where)
-    if spec.moe is not None:
-        mo = spec.moe
-        E, F, Fs = mo.n_experts, mo.expert_ffn_dim, mo.shared_ffn_dim
-        if name == "router":
-            return _need(get, "moe.router", i, (E, D), where).T
-        if name == "router_bias":
-            return _need(get, "moe.router_bias", i, (E,), where)
-        if name in _EXPERT_SOURCES:
-            proj = name[len("we_"):]
-            shp = (D, F) if proj == "down" else (F, D)
-            return np.stack([_need(get, f"moe.expert.{e}.{proj}", i, shp, where).T for e in range(E)])
-        if name in ("ws_gate", "ws_up", "ws_down"):
-            proj = name[len("ws_"):]
-            shp = (D, Fs) if proj == "down" else (Fs, D)
-            return _need(get, f"moe.shared.{proj}", i, shp, where).T
-    return None
 
 
 def quant_block(config: dict) -> tuple[int, int] | None:

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.utils import next_pow2
+
 from . import escapes, framing, gpu, reference, tpu
 from .codebook import Codebook
 from .layout import (DEFAULT_CHUNK, DTYPES, MIN_CHUNK, ROWS, Encoded, Geometry, check_chunk,
@@ -34,14 +36,9 @@ GPU_ENCODE_DEFAULT = "gpu"
 GPU_DECODE_DEFAULT = "gpu"
 
 
-def _pow2(n: int, lo: int = 1024) -> int:
-    n = max(int(n), lo)
-    return 1 << (n - 1).bit_length()
-
-
 def default_capacity(n_pad: int) -> int:
     """Escape slots on device: 1/512 of the elements (real KV escapes ~1/1700), at least 1024."""
-    return _pow2(n_pad // 512)
+    return next_pow2(n_pad // 512, 1024)
 
 
 def choose_chunk(n: int) -> int:
@@ -169,7 +166,7 @@ def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int | None =
             return _raw_encoded(x, spec, chunk, codebook, True)
         return enc
     x = jnp.asarray(x)
-    capacity = _pow2(capacity) if capacity else default_capacity(geo.n_pad)
+    capacity = next_pow2(capacity, 1024) if capacity else default_capacity(geo.n_pad)
     if cap_rows is None:
         cap_rows = min(geo.num_chunks, 64)
     if impl in ("tpu", "tpu_interpret"):
@@ -186,8 +183,8 @@ def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int | None =
         if attempt == 1:
             raise RuntimeError(f"splitzip: escape pass overflowed twice (status {status})")
         # Second try with room for every escape / every second-pass chunk.
-        capacity = max(capacity, _pow2(n_esc))
-        cap_rows = min(geo.num_chunks, max(cap_rows, _pow2(n_second, 1)))
+        capacity = max(capacity, next_pow2(n_esc, 1024))
+        cap_rows = min(geo.num_chunks, max(cap_rows, next_pow2(n_second)))
     sm_words, code_words, counts, pos, val = out[:5]
     return Encoded("split", spec.name, tuple(x.shape), chunk, n_esc=n_esc, sm_words=sm_words,
                    code_words=code_words, counts=counts, esc_pos=pos, esc_val=val,
@@ -244,7 +241,7 @@ def decode(enc: Encoded, codebook: Codebook | None, impl: str = "auto", **opts):
     n_esc = int(enc.n_esc)
     pos, val = enc.esc_pos, enc.esc_val
     if pos.shape[0] < max(n_esc, 1) or not isinstance(pos, jax.Array):
-        cap = _pow2(n_esc)
+        cap = next_pow2(n_esc, 1024)
         p = np.zeros(cap, np.int32)
         v = np.zeros(cap, np.int32)
         p[:n_esc] = np.asarray(pos)[:n_esc]

@@ -250,13 +250,3 @@ def from_bits(u, spec: DtypeSpec, shape, n: int):
     udt = jnp.uint16 if spec.bits == 16 else jnp.uint8
     dt = jnp.dtype(spec.name)
     return jax.lax.bitcast_convert_type(u[:n].astype(udt), dt).reshape(shape)
-
-
-@functools.partial(jax.jit, static_argnames=("cb", "dtype", "shape", "chunk"))
-def decode_jnp_arrays(sm_words, code_words, counts, esc_pos, esc_val, n_esc, *, cb: Codebook,
-                      dtype: str, shape: tuple, chunk: int):
-    spec = DTYPES[dtype]
-    geo = Geometry(int(np.prod(shape, dtype=np.int64)) if shape else 1, chunk)
-    u = dense_decode_jnp(sm_words, code_words, spec, cb, geo)
-    u = apply_escapes_jnp(u, counts, esc_pos, esc_val, n_esc, sm_words, spec, chunk)
-    return from_bits(u, spec, shape, geo.n)

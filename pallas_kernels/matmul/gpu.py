@@ -47,7 +47,6 @@ scales (f16 path) 1.2-2.1 TB/s of fp8 bytes, up to 2.75 with the defaults chosen
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -58,64 +57,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.matmul import gpu_fused, gpu_ws
+from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, accumulate, at_layer,
+                                              block_scale_reader, in_specs, kernel_args, launch, num_sms_default,
+                                              padded_t, pipeline_stages, reset_if, slots_of_runs, split_operands,
+                                              stage_bytes, stream_k_maps, tile_done, tile_transforms,
+                                              unsupported_reason, widen_fp8_tile, x_to_f16)
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
-MAX_T = 256          # wgmma N limit
-X_SHIFT = 6          # fp8 "f16" path: x enters as f16(x * 2^-6): exact for 2^-8 <= |x| <= 2^22
-SMEM_LIMIT = 227 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Tunable knobs. tile_f: F rows per CTA (multiple of 64); tile_d: D per pipeline step."""
-    tile_d: int = 128
-    tile_f: int = 128
-    max_stages: int = 8
-    smem_budget: int = 200 * 1024
-    ctas_per_sm: int = 1
-    # fp8 weights: "bf16" converts e4m3 -> f32 -> bf16 in SMEM with the block scale folded into
-    # the weights; "f16" converts e4m3 -> f16 (one cvt per pair, exact), runs the wgmma in f16
-    # with x cast to f16 (pre-scaled by 2^-X_SHIFT) and applies each 128x128 block scale to a
-    # per-block float32 product. Ignored for bf16 weights.
-    fp8_via: str = "f16"
-    deq_rows: int = 128  # rows of the fp8 tile converted per load/convert/store round (<= tile_d)
-    # compute warpgroups per CTA; > 1 selects the warp-specialized kernel (gpu_ws.py): a TMA
-    # producer warpgroup plus n_wg compute warpgroups, each taking tile_f / n_wg of the F rows
-    n_wg: int = 1
-    # "8bit": load fp8 tiles in the WGMMA_8BIT register layout (4 bytes per lane, full-width SMEM
-    # loads; H200: +0-21%); "auto": Mosaic's inferred layout (the WGMMA layout, 2 bytes per lane)
-    deq_layout: str = "8bit"
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    d: int
-    f: int
-    tp: int
-    n_mats: int
-    tile_d: int
-    tile_f: int
-    k_steps: int       # D steps per F tile
-    f_tiles: int
-    n_total: int       # f_tiles * k_steps
-    n_per: int         # steps per CTA
-    n_ctas: int
-    n_slots: int
-    stages: int
-    slot_mask: tuple   # [n_slots][f_tiles] bools: was partial (slot, tile) written
-    fp8_via: str = "bf16"
-    deq_rows: int = 64
-    n_wg: int = 1
-    deq_layout: str = "8bit"
-
-
-def padded_t(t: int) -> int:
-    return max(8, -(-t // 8) * 8)
-
-
-def _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize):
-    return tp * tile_d * 2 + n_mats * tile_d * tile_f * w_itemsize
-
+__all__ = ["MAX_T", "SMEM_LIMIT", "X_SHIFT", "Plan", "TileConfig", "padded_t", "unsupported_reason", "make_plan",
+           "auto_config", "plan_for", "raw_partials", "reduce_partials", "fused_mode", "partial_products",
+           "decode_matmul_gpu", "gate_up_silu_gpu", "num_sms_default", "FUSED_DEFAULT"]
 
 def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileConfig,
               num_sms: int) -> Plan:
@@ -127,121 +79,13 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileCon
     grid = max(1, num_sms * cfg.ctas_per_sm)
     n_per = -(-n_total // grid)
     n_ctas = -(-n_total // n_per)
-    first = [(j * k_steps) // n_per for j in range(f_tiles)]
-    last = [((j + 1) * k_steps - 1) // n_per for j in range(f_tiles)]
-    n_slots = max(l - fi + 1 for fi, l in zip(first, last))
-    mask = tuple(tuple(s <= last[j] - first[j] for j in range(f_tiles)) for s in range(n_slots))
+    n_slots, mask = slots_of_runs(k_steps, f_tiles, n_per)
     fixed = n_mats * tile_f * tp * 4                              # out staging
     if w_itemsize == 1:
         fixed += n_mats * tile_d * tile_f * 2                     # bf16 dequant buffers
-    per_stage = _stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize)
-    budget = min(cfg.smem_budget, SMEM_LIMIT // cfg.ctas_per_sm) - fixed
-    stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
+    stages = pipeline_stages(cfg, n_per, fixed, stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize))
     return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
                 n_slots, stages, mask, cfg.fp8_via, min(cfg.deq_rows, tile_d), cfg.n_wg, cfg.deq_layout)
-
-
-def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
-    """Why the kernel can't take these operands (None if it can)."""
-    t = x_TD.shape[0]
-    stacked, d, f, block_scaled = _split(ws, scales)
-    if jnp.dtype(x_TD.dtype) != jnp.bfloat16:
-        return f"x dtype {x_TD.dtype} (kernel takes bf16 activations)"
-    wdt = {jnp.dtype(w.dtype) for w in ws}
-    if len(wdt) != 1:
-        return f"weights of mixed dtypes {wdt}"
-    wdt = wdt.pop()
-    if not (wdt == jnp.bfloat16 or is_fp8(wdt)):
-        return f"weight dtype {wdt} (kernel takes bf16 or float8_e4m3fn)"
-    if not 1 <= t <= MAX_T:
-        return f"T={t} outside 1..{MAX_T}"
-    if cfg.fp8_via not in ("bf16", "f16"):
-        return f"fp8_via={cfg.fp8_via!r} (use 'bf16' or 'f16')"
-    if cfg.deq_rows % 8 or cfg.tile_d % min(cfg.deq_rows, cfg.tile_d):
-        return f"deq_rows={cfg.deq_rows} must be a multiple of 8 dividing tile_d={cfg.tile_d}"
-    if cfg.tile_f % 64 or cfg.tile_d % 64:
-        return f"tile sizes {cfg.tile_d}x{cfg.tile_f} must be multiples of 64"
-    if cfg.n_wg < 1 or cfg.tile_f % (64 * cfg.n_wg):
-        return f"n_wg={cfg.n_wg} warpgroups need tile_f={cfg.tile_f} to split into multiples of 64"
-    if cfg.n_wg > 1 and is_fp8(wdt) and cfg.fp8_via != "f16":
-        return "the warp-specialized kernel (n_wg > 1) takes fp8 weights only with fp8_via='f16'"
-    if d % cfg.tile_d:
-        return f"D={d} not a multiple of tile_d={cfg.tile_d}"
-    if f % cfg.tile_f:
-        return f"F={f} not a multiple of tile_f={cfg.tile_f}"
-    if block_scaled:
-        if cfg.tile_d % BLOCK or cfg.tile_f > BLOCK * cfg.n_wg:
-            return f"block scales need tile_f <= {BLOCK} per warpgroup and tile_d a multiple of {BLOCK}"
-    if any(s is not None for s in scales) and any(s is None for s in scales):
-        return "some matrices scaled and some not"
-    if len({None if s is None else s.ndim for s in scales}) > 1:
-        return "mixed scale kinds"
-    return None
-
-
-def _tiled(minor_bytes_per_row: int, itemsize: int):
-    swizzle = plgpu.find_swizzle(minor_bytes_per_row * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _mma_accumulate(acc, a_ref, b_ref, interpret: bool):
-    """acc + a @ b with wgmma, both operands in SMEM; waits for the result.
-
-    On the GPU the running sum is the wgmma accumulator itself (registers, no copy). GPU
-    interpret mode cannot run that form (it supports neither pl.run_state nor stores into an
-    accumulator), so there a fresh accumulator's product is added instead: the same sum.
-    """
-    if interpret:
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, b_ref)
-            return acc_ref[...]
-        return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
-
-    def mma_in_place(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref)
-    return pl.run_state(mma_in_place)(plgpu.ACC.init(acc))
-
-
-def _mma_fresh(shape, a_ref, b_ref):
-    """a @ b with wgmma into a fresh float32 accumulator; returns the product (waited for)."""
-    def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref)
-        return acc_ref[...]
-    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
-
-
-def _block_scaled_mma(acc, a_ref, x_smem, scales, x_fac: float):
-    """acc + sum over the 128-row scale blocks rb of this step: (a_rb^T x_rb^T) * scales[rb] * x_fac.
-
-    One fresh float32 product per scale block, scaled in registers (the fp8 'f16' path).
-    """
-    rb_per_step = len(scales)
-    for rb in range(rb_per_step):
-        if rb_per_step == 1:
-            a_blk, x_blk = a_ref, x_smem
-        else:
-            ks = pl.ds(rb * BLOCK, BLOCK)
-            a_blk, x_blk = a_ref.at[ks], x_smem.at[:, ks]
-        prod = _mma_fresh(acc.shape, a_blk.transpose((1, 0)), x_blk.transpose((1, 0)))
-        acc = acc + prod * (scales[rb] * x_fac)
-    return acc
-
-
-def _stream_k_maps(cta, n_per: int, n_total: int, k_steps: int):
-    """Index maps of one CTA's stream-K run: coords(i) -> (global step, F tile, D step), w_map, x_map."""
-    def coords(i):
-        g = cta * n_per + i
-        gc = jnp.minimum(g, n_total - 1)
-        return g, lax.div(gc, k_steps), lax.rem(gc, k_steps)
-
-    def w_map(i):
-        _, j, k = coords(i)
-        return (k, j)
-
-    def x_map(i):
-        _, _, k = coords(i)
-        return (0, k)
-    return coords, w_map, x_map
 
 
 def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool):
@@ -260,45 +104,26 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     f16 = fp8 and p.fp8_via == "f16"
     deq_dtype = jnp.float16 if f16 else jnp.bfloat16
     x_fac = float(2 ** X_SHIFT) if f16 else 1.0
-    w_item = jnp.dtype(w_dtype).itemsize
-    x_tr = _tiled(min(p.tile_d, 64) * 2, 2)
-    w_tr = _tiled(min(p.tile_f, 128 // w_item) * w_item, w_item)
-    deq_tr = _tiled(64 * 2, 2)
-    n_per, n_total, k_steps = p.n_per, p.n_total, p.k_steps
+    x_tr, w_tr, deq_tr = tile_transforms(p.tile_d, p.tile_f, jnp.dtype(w_dtype).itemsize)
+    n_in = M * (2 if block_scaled else 1)
 
     def body(x_gmem, *refs):
         if stacked:
             layer_gmem, *refs = refs
-            layer = layer_gmem[0]
-            refs = [r.at[layer] for r in refs[:M * (2 if block_scaled else 1)]] + refs[M * (2 if block_scaled else 1):]
+            refs = at_layer(refs, n_in, layer_gmem[0])
         w_gmems = refs[:M]
-        s_gmems = refs[M:2 * M] if block_scaled else ()
-        rest = refs[2 * M:] if block_scaled else refs[M:]
-        p_gmem, out_smem, *rest = rest
-        deq_smems = rest[:M] if fp8 else ()          # one bf16 dequant buffer per matrix
+        s_gmems = refs[M:n_in]
+        p_gmem, out_smem, *rest = refs[n_in:]
+        deq_smems = rest[:M] if fp8 else ()          # one 16-bit conversion buffer per matrix
         c = lax.axis_index("cta")
-        coords, w_map, x_map = _stream_k_maps(c, n_per, n_total, k_steps)
-
-        def fb_of(j):  # the F scale block of F tile j
-            return lax.div(j * p.tile_f, BLOCK)
-
-        rb_per_step = p.tile_d // BLOCK
-
-        def gmem_scales(i):  # block scales of step i (clamped), read straight from GMEM
-            _, j, k = coords(jnp.minimum(i, n_per - 1))
-            return tuple(tuple(s_gmems[m][k * rb_per_step + rb, fb_of(j)] for rb in range(rb_per_step))
-                         for m in range(M))
-
-        in_specs = [plgpu.BlockSpec((p.tp, p.tile_d), x_map, transforms=x_tr)]
-        in_specs += [plgpu.BlockSpec((p.tile_d, p.tile_f), w_map, transforms=w_tr)] * M
+        coords, w_map, x_map = stream_k_maps(c, p.n_per, p.n_total, p.k_steps)
+        gmem_scales = block_scale_reader(s_gmems, coords, p)
 
         def step(idx, x_smem, *smems_and_carry):
             (i,) = idx
-            *smems, (accs, s_cur) = smems_and_carry
+            *w_smems, (accs, s_cur) = smems_and_carry
             g, j, k = coords(i)
             s_next = gmem_scales(i + 1) if s_cur is not None else None
-            w_smems = smems[:M]
-            x_t = x_smem.transpose((1, 0))
             new_accs = []
             for m in range(M):
                 if f16:
@@ -317,19 +142,14 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                     a_ref = dst
                 else:
                     a_ref = w_smems[m]
-
-                if f16 and block_scaled:
-                    # one fresh float32 product per 128-row scale block, scaled in registers
-                    new_accs.append(_block_scaled_mma(accs[m], a_ref, x_smem,
-                                                      [s_cur[m][rb] for rb in range(rb_per_step)], x_fac))
-                else:
-                    new_accs.append(_mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
-            flush = jnp.logical_and(g < n_total,
-                                    jnp.logical_or(k == k_steps - 1, i == n_per - 1))
+                # f16 with block scales: one fresh float32 product per 128-row scale block, scaled in registers
+                new_accs.append(accumulate(accs[m], a_ref, x_smem, s_cur[m] if (f16 and block_scaled) else None,
+                                           x_fac, interpret))
+            flush = tile_done(p, g, k, i)
 
             @pl.when(flush)
             def _flush():
-                slot = c - lax.div(j * k_steps, n_per)
+                slot = c - lax.div(j * p.k_steps, p.n_per)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 for m in range(M):
                     # x_fac: the unscaled/per-channel f16 path still carries x's 2^-X_SHIFT
@@ -339,38 +159,18 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                     plgpu.copy_smem_to_gmem(
                         out_smem.at[m], p_gmem.at[m, slot, pl.ds(j * p.tile_f, p.tile_f)])
 
-            keep = jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
-            return tuple(a * keep for a in new_accs), s_next
+            return reset_if(flush, new_accs), s_next
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
         s0 = gmem_scales(0) if block_scaled else None
-        plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=p.stages,
-                            init_carry=(zeros, s0))(x_gmem, *w_gmems)
+        plgpu.emit_pipeline(step, grid=(p.n_per,), in_specs=in_specs(p, x_map, w_map, x_tr, w_tr),
+                            max_concurrent_steps=p.stages, init_carry=(zeros, s0))(x_gmem, *w_gmems)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [plgpu.SMEM((M, p.tile_f, p.tp), jnp.float32)]
     if fp8:
         scratch += [plgpu.SMEM((p.tile_d, p.tile_f), deq_dtype, transforms=deq_tr) for _ in range(M)]
-    kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((M, p.n_slots, p.f, p.tp), jnp.float32),
-        scratch_types=scratch,
-        grid=(p.n_ctas,),
-        grid_names=("cta",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **kw,
-    )
-
-
-def num_sms_default() -> int:
-    try:
-        dev = jax.devices()[0]
-        if dev.platform == "gpu":
-            return int(dev.core_count)
-    except Exception:  # noqa: BLE001 - no device info: fall back to the H100/H200 count
-        pass
-    return 132
+    return launch(body, jax.ShapeDtypeStruct((M, p.n_slots, p.f, p.tp), jnp.float32), scratch, p.n_ctas, interpret)
 
 
 def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scaled: bool,
@@ -417,30 +217,10 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
     return best
 
 
-def _split(ws, scales):
-    stacked = ws[0].ndim == 3
-    d, f = ws[0].shape[-2:]
-    block_scaled = scales[0] is not None and scales[0].ndim == (3 if stacked else 2)
-    return stacked, d, f, block_scaled
-
-
-def widen_fp8_tile(w_smem, dst_smem, p):
-    """Widen an e4m3 weight tile in SMEM to an f16 copy (exact, one cvt per pair; the scales stay out of the
-    weights), `p.deq_rows` rows at a time; returns the copy for the wgmma. Inside a Mosaic GPU kernel body."""
-    for r in range(p.tile_d // p.deq_rows):
-        rows = pl.ds(r * p.deq_rows, p.deq_rows)
-        v = w_smem.at[rows][...]
-        if p.deq_layout == "8bit":   # 4 bytes per lane: full-width SMEM loads
-            v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_8BIT)
-        dst_smem.at[rows][...] = v.astype(jnp.float16)
-    plgpu.commit_smem()
-    return dst_smem
-
-
 def plan_for(x_TD, ws, scales, cfg: TileConfig | None = None, num_sms: int | None = None):
     """(cfg, plan) for these operands, or (None, reason) when the kernel can't take them."""
     t = x_TD.shape[0]
-    stacked, d, f, block_scaled = _split(ws, scales)
+    stacked, d, f, block_scaled = split_operands(ws, scales)
     num_sms = num_sms if num_sms is not None else num_sms_default()
     if cfg is None:
         cfg = auto_config(t, d, f, len(ws), jnp.dtype(ws[0].dtype).itemsize, block_scaled, num_sms)
@@ -465,14 +245,13 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
     (default x's), its plan); silu_mul: y = silu(x @ w0) * (x @ w1). Raises if it can't take the operands.
     """
     if fused is not None:
-        from pallas_kernels.matmul import gpu_fused
         mode, _, opt = fused.partition("+")
         y = gpu_fused.fused_products(x_TD, ws, scales, layer=layer, cfg=cfg, num_sms=num_sms,
                                      interpret=interpret, mode=mode, out_dtype=out_dtype, silu_mul=silu_mul,
                                      pdl=opt == "pdl")
         return y, None
     t = x_TD.shape[0]
-    stacked, d, f, block_scaled = _split(ws, scales)
+    stacked, d, f, block_scaled = split_operands(ws, scales)
     if stacked != (layer is not None):
         raise ValueError("pass layer= exactly when the weights are stacked [L, D, F]")
     cfg, plan = plan_for(x_TD, ws, scales, cfg, num_sms)
@@ -482,13 +261,8 @@ def raw_partials(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
         raise ValueError(f"x_padded=True but x has {t} rows, kernel wants Tp={plan.tp}")
     x_pad = x_TD if plan.tp == t else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
     if is_fp8(ws[0].dtype) and plan.fp8_via == "f16" and x_pad.dtype != jnp.float16:
-        x_pad = (x_pad.astype(jnp.float32) * (2.0 ** -X_SHIFT)).astype(jnp.float16)
-    args = [x_pad]
-    if stacked:
-        args.append(jnp.asarray(layer, jnp.int32).reshape(1))
-    args += list(ws)
-    if block_scaled:
-        args += list(scales)
+        x_pad = x_to_f16(x_pad)
+    args = kernel_args(x_pad, ws, scales, layer, stacked, block_scaled)
     return _jitted_kernel(plan, jnp.dtype(ws[0].dtype), block_scaled, stacked, interpret)(*args), plan
 
 
@@ -500,8 +274,7 @@ def _jitted_kernel(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, inter
     Llama-8B decode step for cuda, 10 s of lowering and a 4.4 MB module before this (a 32-layer step spent 35 s
     lowering on the H200)."""
     if plan.n_wg > 1:
-        from pallas_kernels.matmul.gpu_ws import kernel_call_ws
-        return jax.jit(kernel_call_ws(plan, w_dtype, block_scaled, stacked, interpret))
+        return jax.jit(gpu_ws.kernel_call_ws(plan, w_dtype, block_scaled, stacked, interpret))
     return jax.jit(_kernel_call(plan, w_dtype, block_scaled, stacked, interpret))
 
 
@@ -518,7 +291,6 @@ def fused_mode(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, in
     epilogue path. fused: "default" (FUSED_DEFAULT), None/"off", "direct", "sem" or "auto". A mode the fused
     kernel can't take (per-channel scales, n_wg > 1, a tiling that doesn't fit, "sem" in interpret mode,
     which has no global semaphores) falls back: "sem" -> "direct" -> None."""
-    from pallas_kernels.matmul import gpu_fused
     if fused == "default":
         fused = FUSED_DEFAULT
     if fused in (None, "off"):

@@ -42,7 +42,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.matmul import gpu
+from pallas_kernels.matmul import gpu_blocks as blocks
+from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, Plan, TileConfig, accumulate, at_layer, block_scale_reader,
+                                              in_specs, kernel_args, launch, padded_t, pipeline_stages,
+                                              slots_of_runs, split_operands, stage_bytes, stream_k_maps, tile_done,
+                                              tile_transforms, widen_fp8_tile, x_to_f16)
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 MODES = ("direct", "sem")
@@ -64,10 +68,10 @@ class Fused:
     pdl: bool = False
 
 
-def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: gpu.TileConfig,
-              num_sms: int, mode: str, out_itemsize: int) -> gpu.Plan:
+def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileConfig,
+              num_sms: int, mode: str, out_itemsize: int) -> Plan:
     """gpu.make_plan's split for "sem"; for "direct" runs of whole F tiles. SMEM also holds the output staging."""
-    tp = gpu.padded_t(t)
+    tp = padded_t(t)
     tile_d, tile_f = cfg.tile_d, cfg.tile_f
     k_steps, f_tiles = d // tile_d, f // tile_f
     n_total = k_steps * f_tiles
@@ -78,26 +82,21 @@ def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: gpu.Til
     else:
         n_per = -(-n_total // grid)
     n_ctas = -(-n_total // n_per)
-    first = [(j * k_steps) // n_per for j in range(f_tiles)]
-    last = [((j + 1) * k_steps - 1) // n_per for j in range(f_tiles)]
-    n_slots = max(l - fi + 1 for fi, l in zip(first, last))
-    mask = tuple(tuple(s <= last[j] - first[j] for j in range(f_tiles)) for s in range(n_slots))
+    n_slots, mask = slots_of_runs(k_steps, f_tiles, n_per)
     n_out = 1 if n_mats == 2 else n_mats
     fixed = n_out * tp * tile_f * out_itemsize                     # output staging
     if mode == "sem":
         fixed += 2 * n_mats * tile_f * tp * 4                      # partial staging + partial loads
     if w_itemsize == 1:
         fixed += n_mats * tile_d * tile_f * 2                      # f16 conversion buffers
-    per_stage = gpu._stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize)
-    budget = min(cfg.smem_budget, gpu.SMEM_LIMIT // cfg.ctas_per_sm) - fixed
-    stages = int(min(cfg.max_stages, n_per, max(0, budget // per_stage)))
-    return gpu.Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
+    stages = pipeline_stages(cfg, n_per, fixed, stage_bytes(tp, tile_d, tile_f, n_mats, w_itemsize))
+    return Plan(d, f, tp, n_mats, tile_d, tile_f, k_steps, f_tiles, n_total, n_per, n_ctas,
                     n_slots, stages, mask, "f16", min(cfg.deq_rows, tile_d), 1, cfg.deq_layout)
 
 
-def unsupported_reason(x_TD, ws, scales, cfg: gpu.TileConfig, fz: Fused) -> str | None:
-    """Why this kernel can't take the operands (None if it can); gpu.unsupported_reason's checks plus its own."""
-    why = gpu.unsupported_reason(x_TD, ws, scales, cfg)
+def unsupported_reason(x_TD, ws, scales, cfg: TileConfig, fz: Fused) -> str | None:
+    """Why this kernel can't take the operands (None if it can); the stream-K kernels' checks plus its own."""
+    why = blocks.unsupported_reason(x_TD, ws, scales, cfg)
     if why:
         return why
     if fz.mode not in MODES:
@@ -121,27 +120,23 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool, fz: Fused):
+def kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool, fz: Fused):
     """plgpu.kernel: x [Tp, D], M weights (+ block scales) -> y [n_out, T, F] (+ "sem": float32 partial scratch)."""
     p = plan
     M = p.n_mats
     n_out = 1 if fz.silu_mul else M
     sem_mode = fz.mode == "sem"
     fp8 = is_fp8(w_dtype)
-    x_fac = float(2 ** gpu.X_SHIFT) if fp8 else 1.0
+    x_fac = float(2 ** X_SHIFT) if fp8 else 1.0
     out_dt = jnp.dtype(fz.out_dtype)
-    w_item = jnp.dtype(w_dtype).itemsize
-    x_tr = gpu._tiled(min(p.tile_d, 64) * 2, 2)
-    w_tr = gpu._tiled(min(p.tile_f, 128 // w_item) * w_item, w_item)
-    deq_tr = gpu._tiled(64 * 2, 2)
+    x_tr, w_tr, deq_tr = tile_transforms(p.tile_d, p.tile_f, jnp.dtype(w_dtype).itemsize)
     n_per, n_total, k_steps = p.n_per, p.n_total, p.k_steps
-    rb_per_step = p.tile_d // BLOCK
     n_in = M * (2 if block_scaled else 1)
     T = fz.t
 
     def body(x_gmem, *refs):
         c = lax.axis_index("cta")
-        coords, w_map, x_map = gpu._stream_k_maps(c, n_per, n_total, k_steps)
+        coords, w_map, x_map = stream_k_maps(c, n_per, n_total, k_steps)
         if stacked:
             layer_gmem, *refs = refs
         if fz.pdl and not interpret:
@@ -156,8 +151,7 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
                         predicate=g0 < n_total)
             plgpu.griddepcontrol_wait()                      # everything below reads after the wait
         if stacked:
-            layer = layer_gmem[0]
-            refs = [r.at[layer] for r in refs[:n_in]] + list(refs[n_in:])
+            refs = at_layer(refs, n_in, layer_gmem[0])
         w_gmems = refs[:M]
         s_gmems = refs[M:n_in] if block_scaled else ()
         rest = list(refs[n_in:])
@@ -170,14 +164,7 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((p.f_tiles,)))
         deq_smems = rest[:M] if fp8 else ()
 
-        def gmem_scales(i):  # block scales of step i (clamped), read straight from GMEM
-            _, j, k = coords(jnp.minimum(i, n_per - 1))
-            fb = lax.div(j * p.tile_f, BLOCK)
-            return tuple(tuple(s_gmems[m][k * rb_per_step + rb, fb] for rb in range(rb_per_step))
-                         for m in range(M))
-
-        in_specs = [plgpu.BlockSpec((p.tp, p.tile_d), x_map, transforms=x_tr)]
-        in_specs += [plgpu.BlockSpec((p.tile_d, p.tile_f), w_map, transforms=w_tr)] * M
+        gmem_scales = block_scale_reader(s_gmems, coords, p)
 
         def finish(vals, j):
             """vals: M float32 [tile_f, Tp] sums of tile j -> y[:, tile j] in out_dt (T rows)."""
@@ -196,19 +183,12 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
             *w_smems, (accs, s_cur) = smems_and_carry
             g, j, k = coords(i)
             s_next = gmem_scales(i + 1) if block_scaled else None
-            x_t = x_smem.transpose((1, 0))
             new_accs = []
             for m in range(M):
-                if fp8:
-                    a_ref = gpu.widen_fp8_tile(w_smems[m], deq_smems[m], p)
-                else:
-                    a_ref = w_smems[m]
-                if block_scaled:
-                    new_accs.append(gpu._block_scaled_mma(accs[m], a_ref, x_smem,
-                                                          [s_cur[m][rb] for rb in range(rb_per_step)], x_fac))
-                else:
-                    new_accs.append(gpu._mma_accumulate(accs[m], a_ref.transpose((1, 0)), x_t, interpret))
-            flush = jnp.logical_and(g < n_total, jnp.logical_or(k == k_steps - 1, i == n_per - 1))
+                a_ref = widen_fp8_tile(w_smems[m], deq_smems[m], p) if fp8 else w_smems[m]
+                new_accs.append(accumulate(accs[m], a_ref, x_smem, s_cur[m] if block_scaled else None,
+                                           x_fac, interpret))
+            flush = tile_done(p, g, k, i)
             vals = [a * x_fac if (fp8 and not block_scaled) else a for a in new_accs]
 
             if not sem_mode:
@@ -249,13 +229,12 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
                                 red_smem[m] = red_smem[m] + part_smem[m]
                     finish([plgpu.layout_cast(red_smem[m], plgpu.Layout.WGMMA) for m in range(M)], j)
 
-            keep = jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
-            return tuple(a * keep for a in new_accs), s_next
+            return blocks.reset_if(flush, new_accs), s_next
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
         s0 = gmem_scales(0) if block_scaled else None
-        plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=p.stages,
-                            init_carry=(zeros, s0))(x_gmem, *w_gmems)
+        plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs(p, x_map, w_map, x_tr, w_tr),
+                            max_concurrent_steps=p.stages, init_carry=(zeros, s0))(x_gmem, *w_gmems)
         plgpu.wait_smem_to_gmem(0)
 
     out_type = [jax.ShapeDtypeStruct((n_out, T, p.f), out_dt)]
@@ -266,29 +245,20 @@ def kernel_call(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, inte
                     plgpu.Barrier(num_arrivals=1)]
     if fp8:
         scratch += [plgpu.SMEM((p.tile_d, p.tile_f), jnp.float16, transforms=deq_tr) for _ in range(M)]
-    kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-    return plgpu.kernel(
-        body,
-        out_type=tuple(out_type),
-        scratch_types=scratch,
-        grid=(p.n_ctas,),
-        grid_names=("cta",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **kw,
-    )
+    return launch(body, tuple(out_type), scratch, p.n_ctas, interpret)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(plan: gpu.Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool, fz: Fused):
+def _jitted(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpret: bool, fz: Fused):
     """One jitted callable per static configuration (lowered once per layer loop; see gpu._jitted_kernel)."""
     return jax.jit(kernel_call(plan, w_dtype, block_scaled, stacked, interpret, fz))
 
 
-def plan_for(x_TD, ws, scales, cfg: gpu.TileConfig | None, num_sms: int | None, fz: Fused):
+def plan_for(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, fz: Fused):
     """(cfg, plan) for the fused kernel, or (None, reason)."""
     t = x_TD.shape[0]
-    stacked, d, f, block_scaled = gpu._split(ws, scales)
-    num_sms = num_sms if num_sms is not None else gpu.num_sms_default()
+    stacked, d, f, block_scaled = split_operands(ws, scales)
+    num_sms = num_sms if num_sms is not None else blocks.num_sms_default()
     w_item = jnp.dtype(ws[0].dtype).itemsize
     out_item = jnp.dtype(fz.out_dtype).itemsize if fz.out_dtype in OUT_DTYPES else 4
     if cfg is None:
@@ -306,10 +276,10 @@ def plan_for(x_TD, ws, scales, cfg: gpu.TileConfig | None, num_sms: int | None, 
     return cfg, plan
 
 
-def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode) -> gpu.TileConfig | None:
+def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode) -> TileConfig | None:
     """"direct" prefers tile_f 64 (twice the CTAs of 128 on a small F); "sem" takes gpu.auto_config's tiles
     (f16 path, one warpgroup) when they fit the extra SMEM, else the largest tile_d that does."""
-    tp = gpu.padded_t(t)
+    tp = padded_t(t)
     fp8 = w_itemsize == 1
     tiles_f = (64, 128) if mode == "direct" else (128, 64)
     if mode == "sem" and not fp8 and 32 <= tp <= 64:
@@ -323,7 +293,7 @@ def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode) -> gpu
         for tile_d in (256, 128, 64):
             if d % tile_d or (block_scaled and tile_d % BLOCK):
                 continue
-            cfg = gpu.TileConfig(tile_d=tile_d, tile_f=tile_f)
+            cfg = TileConfig(tile_d=tile_d, tile_f=tile_f)
             plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms, mode, 4)
             if plan.stages < min(2, plan.n_per):
                 continue
@@ -335,7 +305,7 @@ def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode) -> gpu
     return None
 
 
-def fused_products(x_TD, ws, scales, *, layer=None, cfg: gpu.TileConfig | None = None,
+def fused_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,
                    num_sms: int | None = None, interpret: bool = False, mode: str = "direct",
                    out_dtype=None, silu_mul: bool = False, pdl: bool = False):
     """One launch: y[n_out, T, F] in out_dtype (default x's), n_out = 1 if silu_mul (silu(x@w0) * x@w1) else M.
@@ -344,7 +314,7 @@ def fused_products(x_TD, ws, scales, *, layer=None, cfg: gpu.TileConfig | None =
     `layer` (int32 scalar, may be traced): read in place. Raises ValueError if the kernel can't take them.
     """
     t = x_TD.shape[0]
-    stacked, d, f, block_scaled = gpu._split(ws, scales)
+    stacked, d, f, block_scaled = split_operands(ws, scales)
     if stacked != (layer is not None):
         raise ValueError("pass layer= exactly when the weights are stacked [L, D, F]")
     fz = Fused(mode, t, jnp.dtype(out_dtype or x_TD.dtype).name, silu_mul, pdl)
@@ -355,13 +325,8 @@ def fused_products(x_TD, ws, scales, *, layer=None, cfg: gpu.TileConfig | None =
     # columns >= T, which are never stored), so no pad op is emitted; other ragged T pad to Tp.
     x_pad = x_TD if (plan.tp == t or t < 8) else jnp.pad(x_TD, ((0, plan.tp - t), (0, 0)))
     if is_fp8(ws[0].dtype):
-        x_pad = (x_pad.astype(jnp.float32) * (2.0 ** -gpu.X_SHIFT)).astype(jnp.float16)
-    args = [x_pad]
-    if stacked:
-        args.append(jnp.asarray(layer, jnp.int32).reshape(1))
-    args += list(ws)
-    if block_scaled:
-        args += list(scales)
+        x_pad = x_to_f16(x_pad)
+    args = kernel_args(x_pad, ws, scales, layer, stacked, block_scaled)
     return _jitted(plan, jnp.dtype(ws[0].dtype), block_scaled, stacked, interpret, fz)(*args)[0]
 
 
@@ -376,13 +341,13 @@ def auto_mode(t: int, d: int, f: int, n_mats: int, w_itemsize: int, num_sms: int
     ~10% on a 14 us call): not taken. Hence busy >= 70% and (Tp <= 8 or D >= 4096), T <= 64 (T = 128 not
     measured). fp8: "direct" was 0.65-0.78x the default (the warp-specialized kernel at T <= 8) on o in E2 -> None.
     ("sem" measured 0.9-1.06x the partials path in E1: opt-in only.)"""
-    if w_itemsize != 2 or gpu.padded_t(t) > 64:
+    if w_itemsize != 2 or padded_t(t) > 64:
         return None
     cfg = auto_config(t, d, f, n_mats, w_itemsize, False, num_sms, "direct")
     if cfg is None:
         return None
     plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms, "direct", 4)
     busy = plan.n_ctas / max(1, num_sms)
-    if busy >= 0.7 and (gpu.padded_t(t) <= 8 or d >= 4096):
+    if busy >= 0.7 and (padded_t(t) <= 8 or d >= 4096):
         return "direct"
     return None

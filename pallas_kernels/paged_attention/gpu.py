@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +57,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import common
+from . import common, gpu_fp8
+from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, issue_block_tmas, online_softmax_step,
+                         page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
 
-ROWS = 64  # wgmma M
-LOG2E = math.log2(math.e)
-SENTINEL_PAGE = 1 << 20  # logical page of unused sparse-selection entries: its positions are >= any kv_len
-M_INIT = -1e30  # finite start for the running max (log2 domain): empty programs stay NaN-free
 
 
 Unsupported = common.Unsupported
@@ -125,25 +122,18 @@ class KernelConfig:
     return self.ragged or (not self.worklist and self.splits == 1 and self.compute_wgs == 1)
 
 
-def _tiles(dtype, minor=128):
-  """Tiling + swizzle for an smem tile whose minor dim has `minor` elements."""
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = min(128, minor * bits // 8)
-  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
 def ring_scratch(cfg):
   """Shared-memory types of the K/V ring: (k, v, kq, vq, p); None where unused (qk8: K is read as fp8, no f16 K)."""
   cdt, H = cfg.compute_dtype, cfg.H
   ring = (cfg.stages, cfg.BK, H)
-  p = plgpu.SMEM((ROWS, cfg.BK), cdt, transforms=_tiles(cdt)) if cfg.p_via_smem else None
+  p = plgpu.SMEM((ROWS, cfg.BK), cdt, transforms=tiles(cdt)) if cfg.p_via_smem else None
   if cfg.fp8:
     pool_dt = jnp.dtype(cfg.fp8)
-    k16 = None if cfg.qk8 else plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt))
-    return (k16, plgpu.SMEM((cfg.BK, H), cdt, transforms=_tiles(cdt)),
-            plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
-            plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)), p)
-  return (plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), plgpu.SMEM(ring, cdt, transforms=_tiles(cdt)), None, None, p)
+    k16 = None if cfg.qk8 else plgpu.SMEM((cfg.BK, H), cdt, transforms=tiles(cdt))
+    return (k16, plgpu.SMEM((cfg.BK, H), cdt, transforms=tiles(cdt)),
+            plgpu.SMEM(ring, pool_dt, transforms=tiles(pool_dt, H)),
+            plgpu.SMEM(ring, pool_dt, transforms=tiles(pool_dt, H)), p)
+  return (plgpu.SMEM(ring, cdt, transforms=tiles(cdt)), plgpu.SMEM(ring, cdt, transforms=tiles(cdt)), None, None, p)
 
 
 SMEM_LIMIT = 220 * 1024
@@ -203,105 +193,6 @@ def check_supported(N, K, G, H, q_dtype, pool_dtype):
     raise Unsupported(f"page size G={G} must divide 64")
   if g > ROWS - 8:
     raise Unsupported(f"GQA group {g} > {ROWS - 8} query heads per kv head")
-
-
-def page_columns(values, col, G):
-  """A [ROWS, BK] array whose column c holds values[c // G] (static list of per-page scalars; one: itself)."""
-  if len(values) == 1:
-    return values[0]
-  page_col = col // G
-  res = values[-1]
-  for j in range(len(values) - 2, -1, -1):
-    res = jnp.where(page_col == j, values[j], res)
-  return res
-
-
-def column_positions(cfg, b, col, logical_page):
-  """Logical token position of each column of block b ([ROWS, BK] int32, col = the column iota)."""
-  G, BK, ppb, spp = cfg.G, cfg.BK, cfg.ppb, cfg.spp
-  if not cfg.sparse:
-    return b * BK + col
-  if spp == 1:
-    return page_columns([logical_page(b * ppb + j) * G for j in range(ppb)], col, G) + col % G
-  return logical_page(b // spp) * G + (b % spp) * BK + col
-
-
-def online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc, qpos=None):
-  """Soft cap, causal / window mask (ragged: per query position `qpos`), then one online-softmax update (base 2).
-
-  Returns (p, m_new, l_new, acc rescaled): the caller adds p @ V to acc. Shared by both GPU kernels.
-  """
-  if cfg.soft_cap is not None:
-    logits = jnp.tanh(logits * (1.0 / cfg.soft_cap)) * cfg.soft_cap
-  valid = pos < kv_len
-  if qpos is not None:
-    valid = valid & (pos <= qpos)
-    if cfg.window is not None:
-      valid = valid & (pos > qpos - cfg.window)
-  elif cfg.window is not None:
-    valid = valid & (pos > kv_len - 1 - cfg.window)
-  logits = jnp.where(valid, logits * LOG2E, -jnp.inf)
-  m_new = jnp.maximum(m_i, logits.max(axis=1))
-  alpha = jnp.exp2(m_i - m_new)
-  p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-  l_i = l_i * alpha + p.sum(axis=1)
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-  return p, m_new, l_i, acc
-
-
-def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None, nsplit=None):
-  """Which KV blocks one program reads, shared by the kernels here and in gpu_fp8.py.
-
-  The sequence's blocks of BK tokens form a range [first, last) (the sparse selection's entries, the causal
-  prefix of a ragged work item, or the window / whole context), computed from the REAL lengths (kv_len, the
-  selection count, the item's query positions): nothing here depends on the block table's width. The range is
-  cut at run time into `splits` near-equal parts and split `sp` takes part sp, so the work of a sequence is
-  spread over all its split programs whatever its length; a program whose part is empty (kv_len 0, or a short
-  sequence with more splits than blocks) gets n_steps = 0.
-  ragged: (p_lo, p_hi) = position of the item's first valid query token and one past its last one (p_hi <= p_lo:
-  an empty item). nsplit: a run-time split count (work-list decode; 0 = an idle item) instead of cfg.splits.
-  Returns (b_lo, n_steps, block_pages(b) -> physical page ids of block b (scalar loads),
-  logical_page(i) -> logical page of entry i).
-  """
-  BK, ppb, spp = cfg.BK, cfg.ppb, cfg.spp
-  nsel = None
-  if cfg.sparse:
-    nsel = nsel_ref[s, k]
-    last = nsel * spp if spp > 1 else (nsel + ppb - 1) // ppb
-    first = 0
-  elif ragged is not None:
-    p_lo, p_hi = ragged
-    last = jnp.where(p_hi > p_lo, (jnp.minimum(p_hi, kv_len) + BK - 1) // BK, 0)
-    first = 0 if cfg.window is None else jnp.maximum(p_lo - cfg.window + 1, 0) // BK
-  else:
-    last = (kv_len + BK - 1) // BK
-    first = 0 if cfg.window is None else jnp.maximum(kv_len - cfg.window, 0) // BK
-  total = jnp.maximum(last - first, 0)
-  if nsplit is not None:
-    per = (total + jnp.maximum(nsplit, 1) - 1) // jnp.maximum(nsplit, 1)
-    b_lo = first + sp * per
-    n_steps = jnp.where(nsplit > 0, jnp.clip(total - sp * per, 0, per), 0)
-  elif cfg.splits == 1:
-    b_lo, n_steps = first, total
-  else:
-    per = (total + cfg.splits - 1) // cfg.splits
-    b_lo = first + sp * per
-    n_steps = jnp.clip(total - sp * per, 0, per)
-
-  def page_of(idx):
-    idx = jnp.clip(idx, 0, cfg.Pmax - 1)
-    return bt_ref[s, k, idx] if cfg.sparse else bt_ref[s, idx]
-
-  def block_pages(b):
-    """Physical page ids of block b: ppb pages, or the one page b is a slice of."""
-    return [page_of(b * ppb + j) for j in range(ppb)] if spp == 1 else [page_of(b // spp)]
-
-  def logical_page(idx):
-    """Logical page of selection entry idx; entries past the count map far beyond kv_len (masked)."""
-    if cfg.sparse:
-      return jnp.where(idx < nsel, lp_ref[s, k, jnp.clip(idx, 0, cfg.Pmax - 1)], SENTINEL_PAGE)
-    return idx
-  return b_lo, n_steps, block_pages, logical_page
 
 
 def _kernel(cfg: KernelConfig, *refs):
@@ -379,14 +270,7 @@ def _kernel(cfg: KernelConfig, *refs):
       def issue(b, slot, pages=None):
         """Starts the TMAs of block b (K and V of ppb pages, or a 1/spp slice of one page) into ring slot."""
         pages = block_pages(b) if pages is None else pages
-        if spp == 1:
-          for j, pg in enumerate(pages):
-            plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vdst.at[slot, pl.ds(j * G, G)], bars.at[slot])
-        else:
-          pg, off = pages[0], (b % spp) * BK
-          plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kdst.at[slot], bars.at[slot])
-          plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vdst.at[slot], bars.at[slot])
+        issue_block_tmas(cfg, kv_ref, k, b, pages, kdst.at[slot], vdst.at[slot], bars.at[slot])
 
       for i in range(cfg.stages):
         @pl.when(i < n_steps)
@@ -520,37 +404,6 @@ def _kernel(cfg: KernelConfig, *refs):
     one_item(None)
 
 
-def store_work_item(cfg, w, s, k, local, acc, m_i, l_i, o_ref, m_ref, l_ref, ext_refs, oh_smem, of_smem, ml_smem):
-  """Work-list decode output of one (item, kv head): its normalized o (1/l applied; 0 where l = 0) and (m, l).
-  Items 0..extra-1 are extra chunks (f32 rows of o_ext); items extra.. are the homes of the S sequences (rows of
-  the output itself, in its dtype: it is final when the sequence has one chunk). Shared with gpu_fp8.py."""
-  o_ext, m_ext, l_ext = ext_refs
-  g = cfg.g
-  inv = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
-  o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-  ml_smem[0] = m_i
-  ml_smem[1] = l_i
-
-  @pl.when(w >= cfg.extra)
-  def _():
-    oh_smem[...] = o.astype(oh_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(oh_smem.at[pl.ds(local, g)], o_ref.at[s, pl.ds(k * g, g)])
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[s, k])
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[s, k])
-    plgpu.wait_smem_to_gmem(0)
-
-  if cfg.extra:
-    @pl.when(w < cfg.extra)
-    def _():
-      of_smem[...] = o
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(of_smem.at[pl.ds(local, g)], o_ext.at[w, pl.ds(k * g, g)])
-      plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ext.at[w, k])
-      plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ext.at[w, k])
-      plgpu.wait_smem_to_gmem(0)
-
-
 def decode_work_list(cfg, kv_lens_S):
   """Run-time work list of the work-list decode kernel: [extra + S, 3] int32 rows (sequence, chunk, chunks).
 
@@ -622,21 +475,12 @@ def combine_work_list(res, wl, c, cfg):
   return out.at[home_of].set(merged.astype(out.dtype), mode="drop")
 
 
-def q_scratch(cfg):
-  """Shared-memory type of the 64-row q tile: f16/bf16, or (qk8) e4m3 with the fp8 ring's tiling."""
-  if cfg.qk8:
-    f8 = jnp.dtype(jnp.float8_e4m3fn)
-    return plgpu.SMEM((ROWS, cfg.H), f8, transforms=_tiles(f8, cfg.H))
-  return plgpu.SMEM((ROWS, cfg.H), cfg.compute_dtype, transforms=_tiles(cfg.compute_dtype))
-
-
 def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, *, interpret=False,
                 q_scales=None):
   """Runs the kernel. Decode returns [S, N, H] (splits == 1) or partials (o [Sp, S, N, H], m, l [Sp, S, K, 64]);
   ragged (q = [NT, K, 64, H] tile-major, extra = (tile_info,)) returns per-tile outputs [NT, K, 64, H].
   qk8: q is e4m3 [S, N, H] and q_scales f32 [S, >= max(N, 64)] (per-row scale x softmax scale)."""
   if cfg.converters:
-    from . import gpu_fp8  # local import: gpu_fp8 imports this module
     return gpu_fp8.kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra, scales, converters=cfg.converters,
                                   interpret=interpret, q_scales=q_scales)
   H = cfg.H
@@ -678,15 +522,6 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   )
   res = call(*inputs)
   return res[0] if cfg.final else res
-
-
-def work_list_out_types(cfg):
-  """o_home [S, N, H] (output dtype), m/l_home [S, K, 64], o_ext [extra, N, H] f32, m/l_ext [extra, K, 64]."""
-  S, N, K, H, C = cfg.S, cfg.N, cfg.K, cfg.H, max(cfg.extra, 1)
-  f32 = jnp.float32
-  return [jax.ShapeDtypeStruct((S, N, H), jnp.dtype(cfg.out_dtype)), jax.ShapeDtypeStruct((S, K, ROWS), f32),
-          jax.ShapeDtypeStruct((S, K, ROWS), f32), jax.ShapeDtypeStruct((C, N, H), f32),
-          jax.ShapeDtypeStruct((C, K, ROWS), f32), jax.ShapeDtypeStruct((C, K, ROWS), f32)]
 
 
 def _num_sms() -> int:
@@ -742,7 +577,6 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   compute_wgs = (FP8_COMPUTE_WGS if fp8_compute_wgs is None else int(fp8_compute_wgs)) if converters else 1
   qk8 = bool(FP8_QK if fp8_qk is None else fp8_qk) and fp8 and not ragged_tiles
   if converters and block_kv is None and stages is None:
-    from . import gpu_fp8  # local import: gpu_fp8 imports this module
     bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs, qk8)
     if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters, compute_wgs, qk8) > SMEM_LIMIT:
       converters, compute_wgs = 0, 1  # e.g. H = 256: the f16 staging does not fit; the inline kernel does
@@ -751,7 +585,6 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
     raise ValueError(f"fp8_convert must be 'cvt' or 'bits', got {fp8_convert!r}")
   fp8_bits = bool(converters) and fp8_convert == "bits" and H % 128 == 0 and not qk8  # halves = whole swizzle tiles
   if converters:
-    from . import gpu_fp8  # local import: gpu_fp8 imports this module
     BK, st = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs, qk8)
   else:
     BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles), qk8=qk8)
@@ -865,7 +698,6 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
     q = jnp.pad(q, ((0, 0), (0, cfg.N - N), (0, 0)))
   extra = (nsel, lp) if cfg.sparse else ()
   if cfg.fp8_bits:  # the kernel's f16 K/V tiles hold the head dim in widen_permutation order
-    from . import gpu_fp8  # local import: gpu_fp8 imports this module
     perm = gpu_fp8.widen_permutation(H)
     q = q[..., perm]
   if cfg.worklist:

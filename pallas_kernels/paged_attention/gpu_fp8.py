@@ -61,8 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu import (M_INIT, ROWS, _tiles, block_walk, column_positions, online_softmax_step, page_columns, q_scratch,
-                  store_work_item, work_list_out_types)
+from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, issue_block_tmas, online_softmax_step,
+                         page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -184,14 +184,7 @@ def _kernel_ws(cfg, C, *refs):
                                                         nsplit=nsp)
 
   def issue(b, slot, pages):
-    if spp == 1:
-      for j, pg in enumerate(pages):
-        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k, :], kq_smem.at[slot, pl.ds(j * G, G)], tma_bars.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[pg, :, 2 * k + 1, :], vq_smem.at[slot, pl.ds(j * G, G)], tma_bars.at[slot])
-    else:
-      pg, off = pages[0], (b % spp) * BK
-      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k, :], kq_smem.at[slot], tma_bars.at[slot])
-      plgpu.copy_gmem_to_smem(kv_ref.at[pg, pl.ds(off, BK), 2 * k + 1, :], vq_smem.at[slot], tma_bars.at[slot])
+    issue_block_tmas(cfg, kv_ref, k, b, pages, kq_smem.at[slot], vq_smem.at[slot], tma_bars.at[slot])
 
   # ------------------------------------------------------------------ converters
   @pl.when(wg >= Q)
@@ -386,9 +379,9 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   u32 = jnp.dtype(jnp.uint32)
   ring32 = (cfg.stages, BK, H // 4)
   staged = (("v",) if cfg.qk8 else ("k", "v"))
-  union = [tuple(plgpu.SMEM((STAGING, BK, H), cdt, transforms=_tiles(cdt)) for _ in staged)]
+  union = [tuple(plgpu.SMEM((STAGING, BK, H), cdt, transforms=tiles(cdt)) for _ in staged)]
   if cfg.fp8_bits:  # 32-bit-word views of the same staging bytes, for the integer widening
-    union.append(tuple(plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=_tiles(u32, H // 2)) for _ in staged))
+    union.append(tuple(plgpu.SMEM((STAGING, BK, H // 2), u32, transforms=tiles(u32, H // 2)) for _ in staged))
   if cfg.worklist:  # home rows in the output dtype, extra-chunk rows in f32
     union.append((plgpu.SMEM((Q, ROWS, H), jnp.dtype(cfg.out_dtype)), plgpu.SMEM((Q, 2, ROWS), jnp.float32),
                   plgpu.SMEM((Q, ROWS, H), jnp.float32)))
@@ -398,10 +391,10 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
       q_scratch(cfg),
       # fp8 ring, and its 32-bit-word view (same bytes: 8-row tiles of H bytes, same swizzle) for the bit trick
       plgpu.RefUnion(
-          (plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H)),
-           plgpu.SMEM(ring, pool_dt, transforms=_tiles(pool_dt, H))),
-          (plgpu.SMEM(ring32, u32, transforms=_tiles(u32, H // 4)),
-           plgpu.SMEM(ring32, u32, transforms=_tiles(u32, H // 4))),
+          (plgpu.SMEM(ring, pool_dt, transforms=tiles(pool_dt, H)),
+           plgpu.SMEM(ring, pool_dt, transforms=tiles(pool_dt, H))),
+          (plgpu.SMEM(ring32, u32, transforms=tiles(u32, H // 4)),
+           plgpu.SMEM(ring32, u32, transforms=tiles(u32, H // 4))),
       ),
       plgpu.RefUnion(*union),
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=cfg.stages),
@@ -412,7 +405,7 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
   if Q > 1:
     scratch.append(plgpu.Barrier(num_arrivals=Q))
   if cfg.p_via_smem:
-    scratch.append(plgpu.SMEM((Q, ROWS, BK), cdt, transforms=_tiles(cdt)))
+    scratch.append(plgpu.SMEM((Q, ROWS, BK), cdt, transforms=tiles(cdt)))
   if cfg.qk8:
     scratch += [plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages)]
   grid, names = (cfg.splits, K, S), ("split", "kvh", "seq")

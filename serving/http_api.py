@@ -657,7 +657,7 @@ class HTTPFrontend:
                 continue
             try:
                 kw = check_sampling(job.sampling, prompt_len=len(ids), vocab_size=m.vocab_size,
-                                    max_context=m.max_context, limits=lim)
+                                    max_context=m.max_context, limits=lim, kv_tokens=self.servicer.kv_tokens)
                 job.params.append(kw)
                 build_params(m.make_params, kw, m.vocab_size)   # refuses what the engine's params refuse
             except RequestError as e:

@@ -215,8 +215,10 @@ def _finite(name: str, v: float) -> float:
     return float(v)
 
 
-def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, limits: Limits) -> dict[str, Any]:
-    """Checked keyword arguments for ``SamplingParams`` from a ``tbjax.v1.SamplingParams`` message."""
+def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, limits: Limits,
+                   kv_tokens: int | None = None) -> dict[str, Any]:
+    """Checked keyword arguments for ``SamplingParams`` from a ``tbjax.v1.SamplingParams`` message. ``kv_tokens``:
+    the KV positions one sequence can hold (the default max_tokens stays within them)."""
     out: dict[str, Any] = {}
     left = max_context - prompt_len
     if sp.HasField("max_tokens"):
@@ -229,7 +231,7 @@ def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, li
             raise _invalid(f"prompt ({prompt_len} tokens) + max_tokens ({mt}) = {prompt_len + mt} exceeds the "
                            f"model's context of {max_context} tokens")
     else:
-        mt = min(limits.default_max_tokens, left)
+        mt = min(limits.default_max_tokens, left, *(() if kv_tokens is None else (max(kv_tokens - prompt_len + 1, 1),)))
     out["max_tokens"] = mt
     if sp.HasField("temperature"):
         t = _finite("temperature", sp.temperature)
@@ -273,7 +275,8 @@ def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, li
 
 
 def check_generate(req, *, model_name: str, tokenizer, vocab_size: int, max_context: int, limits: Limits,
-                   prompt_cap: int | None = None, prompt_cap_note: str = "") -> CheckedRequest:
+                   prompt_cap: int | None = None, prompt_cap_note: str = "", kv_tokens: int | None = None
+                   ) -> CheckedRequest:
     """Validate a ``tbjax.v1.GenerateRequest``; raises ``RequestError`` naming the first problem found.
     ``prompt_cap``: the prompt token limit that applies (default ``limits.prompt_limit(max_context)``; the server
     passes one no larger than what the KV cache holds for one sequence)."""
@@ -284,7 +287,7 @@ def check_generate(req, *, model_name: str, tokenizer, vocab_size: int, max_cont
     if len(ids) > cap:
         raise _invalid(f"prompt has {len(ids)} tokens, more than the limit of {cap}{prompt_cap_note}")
     params = check_sampling(req.params, prompt_len=len(ids), vocab_size=vocab_size, max_context=max_context,
-                            limits=limits)
+                            limits=limits, kv_tokens=kv_tokens)
     return CheckedRequest(ids, params)
 
 

@@ -171,8 +171,10 @@ class TbjaxServicer:
         # the prompt token limit that applies: the configured one, no larger than the model's context less one and
         # than what the KV cache holds for one sequence (kv_token_capacity)
         cap = limits.prompt_limit(model.max_context)
-        kv = kv_token_capacity(getattr(engine_loop, "engine", None))
+        kv = self.kv_tokens = kv_token_capacity(getattr(engine_loop, "engine", None))
         self.prompt_cap = cap if kv is None else max(1, min(cap, kv))
+        # the most tokens one request can generate here (one prompt token at least; the KV pool bounds both)
+        self.max_tokens_cap = min(limits.max_tokens, model.max_context - 1, *(() if kv is None else (kv,)))
         self.prompt_cap_note = (f" (what the KV cache's pages hold for one sequence: {kv} tokens)"
                                 if kv is not None and kv < cap else "")
 
@@ -366,7 +368,7 @@ class TbjaxServicer:
             try:
                 kw = dict(model_name=m.name, tokenizer=m.tokenizer, vocab_size=m.vocab_size,
                           max_context=m.max_context, limits=self.limits, prompt_cap=self.prompt_cap,
-                          prompt_cap_note=self.prompt_cap_note)
+                          prompt_cap_note=self.prompt_cap_note, kv_tokens=self.kv_tokens)
                 if request.WhichOneof("input") == "prompt_token_ids" and len(request.prompt_token_ids.ids) <= 4096:
                     checked = check_generate(request, **kw)   # ~0.15 ms for 1k ids: cheaper than a thread hop
                 else:   # tokenizing / chat templates can take milliseconds: off the loop, a few at a time
@@ -401,7 +403,7 @@ class TbjaxServicer:
                         yield resp
                 except StreamFailed as e:
                     await self._reject(context, e.code, e.message)
-                except asyncio.CancelledError:   # the client went away / its deadline passed: an outcome, not an error
+                except (asyncio.CancelledError, GeneratorExit):   # the client went away / its deadline passed
                     log.debug("request %s: cancelled by the client or its deadline", shown(rid))
                     raise
         finally:
@@ -423,8 +425,8 @@ class TbjaxServicer:
         m, lim = self.model, self.limits
         return pb.ModelInfoResponse(
             model=m.name, arch=m.arch, vocab_size=m.vocab_size, max_context=m.max_context,
-            max_prompt_tokens=self.prompt_cap, max_tokens_limit=lim.max_tokens,
-            default_max_tokens=lim.default_max_tokens, eos_token_ids=list(m.eos_token_ids),
+            max_prompt_tokens=self.prompt_cap, max_tokens_limit=self.max_tokens_cap,
+            default_max_tokens=min(lim.default_max_tokens, self.max_tokens_cap), eos_token_ids=list(m.eos_token_ids),
             has_chat_template=m.has_chat_template, role=self.role, api_version=API_VERSION)
 
 

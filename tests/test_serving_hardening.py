@@ -235,12 +235,15 @@ def test_model_info_reports_the_prompt_limit_the_kv_pool_allows():
         info = c.model_info()
         assert info["max_context"] == 8192
         assert info["max_prompt_tokens"] == 63 * 4          # 63 usable pages (one is the null page) of 4 tokens
+        assert info["max_tokens_limit"] == 63 * 4 and info["default_max_tokens"] == 252   # 256, capped
         with pytest.raises(grpc.RpcError) as e:
             c.generate(token_ids=[5] * (63 * 4 + 1), max_tokens=1)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV" in e.value.details()
         code, out = _post(st.server.http_url + "/v1/completions", {"prompt": [5] * 253, "max_tokens": 1})
         assert code == 400 and "KV" in out["error"]["message"]
         assert c.generate(token_ids=[5] * 252, max_tokens=1).completion_tokens == 1
+        # no max_tokens: the default (256) stays within what the KV pool holds, so the engine never refuses it
+        assert c.generate(token_ids=[5] * 200, ignore_eos=True).completion_tokens == 252 - 200 + 1
 
 
 # -- KV gauges -------------------------------------------------------------------------------------------------
@@ -271,3 +274,38 @@ def test_kv_gauges_used_cached_free():
         assert g["tbjax_kv_pages_cached"] >= 8, g
         assert g["tbjax_kv_pages_used"] + g["tbjax_kv_pages_cached"] + g["tbjax_kv_pages_free"] == \
             g["tbjax_kv_pages_total"] == 99, g
+
+
+# -- cancellations are not errors ------------------------------------------------------------------------------
+def test_client_cancellations_during_blocked_writes_log_no_errors(caplog):
+    import logging
+    import socket
+    caplog.set_level(logging.DEBUG)
+    model = fake_served_model(max_model_len=4096, num_pages=2048, max_num_batched_tokens=4096)
+    lim = Limits(max_tokens=4000)
+    with ServerThread(model, metrics_port=None, http_port=0, limits=lim) as st:
+        for _ in range(3):   # gRPC: a reader that stops reading (the server's writes block), then goes away
+            ch = grpc.insecure_channel(st.address, options=[("grpc.http2.lookahead_bytes", 1024)])
+            s = Client(channel=ch).generate_stream(token_ids=[5] * 4, max_tokens=4000, ignore_eos=True, logprobs=20)
+            next(s)
+            time.sleep(0.3)
+            s.close()
+            ch.close()
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 4000, "stream": True, "ignore_eos": True,
+                           "logprobs": 5}).encode()
+        for _ in range(3):   # HTTP: the same, then a reset connection
+            sock = socket.create_connection(("127.0.0.1", st.server.bound_http_port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            sock.recv(100)
+            time.sleep(0.3)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()
+        deadline = time.time() + 10
+        while st.server.engine_loop.call(lambda e: len(e._req)).result(10) and time.time() < deadline:
+            time.sleep(0.05)
+        assert st.server.engine_loop.call(lambda e: len(e._req)).result(10) == 0   # all aborted
+    bad = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not bad, [(r.name, r.getMessage()[:200]) for r in bad]
+    assert any("cancelled by the client" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)

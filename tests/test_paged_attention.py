@@ -315,3 +315,36 @@ def test_blocked_attention_reads_the_mla_latent_pool():
     want = latent_attention(q, pool, bt, lens, cu, scale=0.3)
     got = blocked.ragged_attention_blocked(q, pool, bt, lens, cu, scale=0.3, kv_layout=("latent", C))
     np.testing.assert_allclose(np.asarray(got)[:6], np.asarray(want)[:6], atol=1e-5)
+
+
+@pytest.mark.parametrize("window,q_len", [(None, 20), (None, 70), (20, 70)])
+def test_blocked_ragged_attention_is_batch_invariant(window, q_len):
+    """A prefill chunk (one query tile or three) equals the reference, and its rows come out bit-identical whatever
+    bucket (T) the step has and whatever other sequences share it: the CPU step's batch invariance. Head shapes are
+    the default model's (9 query heads over 3 kv heads of 64)."""
+    from pallas_kernels.paged_attention import blocked
+    from pallas_kernels.paged_attention.reference import paged_attention_reference
+    rng = np.random.default_rng(5)
+    P, G, K, H, N = 60, 16, 3, 64, 9
+    kv = jnp.asarray(rng.normal(size=(P, G, 2 * K, H)), jnp.float32)
+    bt_row = rng.permutation(np.arange(1, P))[:40]
+    kv_len = q_len + 30                                        # the chunk sits at positions 30 .. 30 + q_len - 1
+    q_seq = rng.normal(size=(q_len, N, H))
+    alone = None
+    for others in ([], [(1, 12)], [(9, 50), (1, 3), (20, 20)], [(100, 200)]):
+        T = q_len + sum(n for n, _ in others)
+        T_bucket = 1 << (T - 1).bit_length()
+        rows = [q_seq] + [rng.normal(size=(n, N, H)) for n, _ in others]
+        q = np.zeros((T_bucket, N, H))
+        q[:T] = np.concatenate(rows)
+        lens = [kv_len] + [n_kv for _, n_kv in others]
+        cu = np.cumsum([0, q_len] + [n for n, _ in others])
+        bt = np.stack([bt_row] + [rng.permutation(np.arange(1, P))[:40] for _ in others])
+        args = (jnp.asarray(q, jnp.float32), kv, jnp.asarray(bt, jnp.int32), jnp.asarray(lens, jnp.int32),
+                jnp.asarray(cu, jnp.int32))
+        got = np.asarray(blocked.ragged_attention_blocked(*args, sliding_window=window))
+        np.testing.assert_allclose(got[:T], np.asarray(paged_attention_reference(*args, sliding_window=window))[:T],
+                                   atol=2e-5)
+        if alone is None:
+            alone = got[:q_len]
+        np.testing.assert_array_equal(got[:q_len], alone)

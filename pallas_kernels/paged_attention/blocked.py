@@ -13,8 +13,9 @@ Two pool readings (``kv_layout``):
 Semantics are reference.py's (float32 math, output in q's dtype, rows that see nothing are 0).
 
 `ragged_attention_blocked` is the mixed step: sequences with one query row (decodes) go through the decode loop
-together; the others (prefill chunks, usually one or two per step) one at a time, each skipped by `lax.cond` when
-it has no rows.
+together; the others (prefill chunks, usually one or two per step) one at a time in tiles of QUERY_TILE query rows,
+each skipped by `lax.cond` when it has no rows. Every dot has a shape fixed by the layout, not by the step, so a
+sequence's rows come out bit-identical whatever else shares the step (batch invariance).
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import common
-from .reference import query_positions
 
 BLOCK_TOKENS = 256          # kv tokens per loop iteration (rounded to whole pages)
+# Query rows per tile of a multi-row sequence. Every dot of the prefill path has this many rows whatever the step's
+# token count, so a row's result does not depend on the bucket or on the other sequences in the step (XLA:CPU's f32
+# dot rounds differently at 16 rows than at 32: batch invariance), and a chunk costs its own rows, not the step's.
+QUERY_TILE = 32
 
 
 def _read_kv(x_SnGKH, kv_layout):
@@ -161,17 +165,29 @@ def ragged_attention_blocked(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, c
     row_S = jnp.clip(cu_q_lens_S1[:-1], 0, T - 1)
     dec = decode_attention_blocked(q_TNH[row_S], kv_pages_PGKH, block_tables_SP, jnp.where(single, kv_lens_S, 0),
                                    kv_scales_PK=kv_scales_PK, **kw)
-    seg_T, pos_T, valid_T = query_positions(cu_q_lens_S1, kv_lens_S, T)
     q = q_TNH.astype(jnp.float32).reshape(T, Kh, g, Hq)
+    q = jnp.concatenate([q, jnp.zeros((QUERY_TILE, Kh, g, Hq), q.dtype)])      # tiles never run off the end
+    tile = jnp.arange(QUERY_TILE, dtype=jnp.int32)
 
     def one(out_TKgH, s):
-        def run(out):
-            rows = valid_T & (seg_T == s)
-            o = _one_sequence_blocked(q, kv_pages_PGKH, kv_scales_PK, block_tables_SP[s], kv_lens_S[s], rows, pos_T,
-                                      **kw)
-            return jnp.where(rows[:, None, None, None], o, out)
-        return lax.cond((q_lens[s] > 1) & (kv_lens_S[s] > 0), run, lambda o: o, out_TKgH), None
+        start, q_len, kv_len = cu_q_lens_S1[s], q_lens[s], kv_lens_S[s]
 
-    out, _ = lax.scan(one, jnp.zeros((T, Kh, g, Hv), jnp.float32), jnp.arange(S, dtype=jnp.int32))
+        def tile_body(carry):
+            i, out = carry
+            r0 = start + i * QUERY_TILE
+            rows = i * QUERY_TILE + tile < q_len
+            pos = kv_len - q_len + i * QUERY_TILE + tile
+            o = _one_sequence_blocked(lax.dynamic_slice_in_dim(q, r0, QUERY_TILE), kv_pages_PGKH, kv_scales_PK,
+                                      block_tables_SP[s], jnp.minimum(kv_len, jnp.max(jnp.where(rows, pos, 0)) + 1),
+                                      rows, pos, **kw)
+            old = lax.dynamic_slice_in_dim(out, r0, QUERY_TILE)
+            return i + 1, lax.dynamic_update_slice_in_dim(out, jnp.where(rows[:, None, None, None], o, old), r0, 0)
+
+        def run(out):
+            return lax.while_loop(lambda c: c[0] * QUERY_TILE < q_len, tile_body, (jnp.int32(0), out))[1]
+        return lax.cond((q_len > 1) & (kv_len > 0), run, lambda o: o, out_TKgH), None
+
+    out, _ = lax.scan(one, jnp.zeros((T + QUERY_TILE, Kh, g, Hv), jnp.float32), jnp.arange(S, dtype=jnp.int32))
+    out = out[:T]
     out = out.reshape(T, N, Hv).astype(q_TNH.dtype)
     return out.at[jnp.where(single, row_S, T)].set(dec, mode="drop")

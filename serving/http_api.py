@@ -701,8 +701,17 @@ class HTTPFrontend:
         self.active += 1
         started = False
         try:
-            for s in slots:   # over max_concurrent_requests: wait in the server's queue
-                await s.wait_turn()
+            if any(s.queued for s in slots):   # over max_concurrent_requests: wait in the server's queue ...
+                turn = asyncio.ensure_future(asyncio.gather(*(s.wait_turn() for s in slots)))
+                watch = asyncio.ensure_future(_wait_disconnect(request))
+                try:
+                    await asyncio.wait({turn, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for t in (turn, watch):
+                        t.cancel()
+                    await asyncio.gather(turn, watch, return_exceptions=True)
+                if any(s.queued for s in slots):   # ... unless the client goes away meanwhile
+                    raise APIError(499, "client disconnected while its request waited in the queue")
             prompt_lps = await self._prompt_logprobs(job)
             t_validated = time.perf_counter()
             sv.metrics.phase.labels(phase="tokenize").observe(t_validated - t_arrival)

@@ -309,3 +309,29 @@ def test_client_cancellations_during_blocked_writes_log_no_errors(caplog):
     bad = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not bad, [(r.name, r.getMessage()[:200]) for r in bad]
     assert any("cancelled by the client" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def test_http_request_waiting_in_the_queue_leaves_it_when_the_client_goes_away():
+    import socket
+    model = fake_served_model(step_time_s=0.01)
+    lim = Limits(max_concurrent_requests=1, max_queued_requests=1)
+    with ServerThread(model, metrics_port=None, http_port=0, limits=lim) as st, Client(st.address, timeout=30) as c:
+        sv = st.server.servicer
+        s = c.generate_stream(token_ids=[5], max_tokens=400, ignore_eos=True)
+        next(s)
+        added = st.server.engine_loop.call(lambda e: e.num_added).result(10)
+        body = json.dumps({"prompt": [7], "max_tokens": 2}).encode()
+        sock = socket.create_connection(("127.0.0.1", st.server.bound_http_port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 10
+        while st.run_coro(_counts(sv)) != (1, 1) and time.time() < deadline:
+            time.sleep(0.01)
+        assert st.run_coro(_counts(sv)) == (1, 1)
+        sock.close()                      # gone while waiting: its place in the queue frees at once
+        deadline = time.time() + 5
+        while st.run_coro(_counts(sv)) != (1, 0) and time.time() < deadline:
+            time.sleep(0.01)
+        assert st.run_coro(_counts(sv)) == (1, 0)
+        assert st.server.engine_loop.call(lambda e: e.num_added).result(10) == added   # never reached the engine
+        s.close()

@@ -2,7 +2,7 @@
 
 Why it exists: at decode T is 1..256, so every weight byte is used T times at most and the
 matmul is bound by how fast the weights stream out of HBM. XLA's paths reach 1.0-2.7 TB/s of
-the H200's ~4.3 (issue 9). This kernel is built only to stream:
+the H200's ~4.3. This kernel is built only to stream:
 
 * Orientation: it computes y^T = w^T x^T, so F (large) is wgmma's M dimension and the padded T
   (Tp, a multiple of 8) its N dimension; no tensor-core work is wasted on padding rows.
@@ -39,7 +39,7 @@ The plan (tile sizes, runs, slots) is static Python computed from the shapes. Op
 warpgroup and n_wg compute warpgroups splitting the F tile), deq_layout="8bit" (fp8 tiles loaded
 4 bytes per lane), deq_rows.
 
-Measured on an H200 (benchmarks/RESULTS.md, copy ceiling 4.26 TB/s in the same run, git 4dfb16d):
+Measured on an H200 (benchmarks/RESULTS.md, copy ceiling 4.26 TB/s in the same run):
 bf16 whole op 3.3-3.4 TB/s on the 117-235 MB Llama-8B matrices at T <= 8 (78-80%), 2.3-2.5 on
 the <= 50 MB ones, falling with T; a fit over shapes gives a stream rate of 3.7 TB/s (87%) at
 T <= 8 plus a fixed ~6 us per call, which is what holds the small matrices back. fp8 with block
@@ -58,10 +58,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.matmul import gpu_fused, gpu_ws
-from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, accumulate, at_layer,
-                                              block_scale_reader, in_specs, kernel_args, launch, num_sms_default,
-                                              padded_t, pipeline_stages, reset_if, slots_of_runs, split_operands,
-                                              stage_bytes, stream_k_maps, tile_done, tile_transforms,
+from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, accumulate,
+                                              block_scale_reader, body_refs, in_specs, kernel_args, launch,
+                                              num_sms_default, padded_t, pipeline_stages, reset_if, slots_of_runs,
+                                              split_operands, stage_bytes, stream_k_maps, tile_done, tile_transforms,
                                               unsupported_reason, widen_fp8_tile, x_to_f16)
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
@@ -105,15 +105,9 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     deq_dtype = jnp.float16 if f16 else jnp.bfloat16
     x_fac = float(2 ** X_SHIFT) if f16 else 1.0
     x_tr, w_tr, deq_tr = tile_transforms(p.tile_d, p.tile_f, jnp.dtype(w_dtype).itemsize)
-    n_in = M * (2 if block_scaled else 1)
 
     def body(x_gmem, *refs):
-        if stacked:
-            layer_gmem, *refs = refs
-            refs = at_layer(refs, n_in, layer_gmem[0])
-        w_gmems = refs[:M]
-        s_gmems = refs[M:n_in]
-        p_gmem, out_smem, *rest = refs[n_in:]
+        w_gmems, s_gmems, (p_gmem, out_smem, *rest) = body_refs(refs, M, block_scaled, stacked)
         deq_smems = rest[:M] if fp8 else ()          # one 16-bit conversion buffer per matrix
         c = lax.axis_index("cta")
         coords, w_map, x_map = stream_k_maps(c, p.n_per, p.n_total, p.k_steps)

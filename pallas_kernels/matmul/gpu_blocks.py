@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
-from pallas_kernels.utils import round_up
+from pallas_kernels.utils import device_sm_count, round_up
 
 MAX_T = 256          # wgmma N limit
 X_SHIFT = 6          # fp8 "f16" path: x enters as f16(x * 2^-6): exact for 2^-8 <= |x| <= 2^22
@@ -138,13 +137,7 @@ def unsupported_reason(x_TD, ws, scales, cfg: TileConfig) -> str | None:
 
 
 def num_sms_default() -> int:
-    try:
-        dev = jax.devices()[0]
-        if dev.platform == "gpu":
-            return int(dev.core_count)
-    except Exception:  # noqa: BLE001 - no device info: fall back to the H100/H200 count
-        pass
-    return 132
+    return device_sm_count()
 
 
 def x_to_f16(x):
@@ -193,6 +186,16 @@ def tile_transforms(tile_d: int, w_cols: int, w_item: int):
 def at_layer(refs, n_in: int, layer):
     """The first n_in refs (weights, scales) at stacked layer `layer`; the rest unchanged."""
     return [r.at[layer] for r in refs[:n_in]] + list(refs[n_in:])
+
+
+def body_refs(refs, n_mats: int, block_scaled: bool, stacked: bool):
+    """(weights, block scales, the remaining refs) of a kernel body's refs after x; when stacked, the leading int32
+    [1] layer index is consumed and applied to the weights and scales (read in place)."""
+    n_in = n_mats * (2 if block_scaled else 1)
+    if stacked:
+        layer_gmem, *refs = refs
+        refs = at_layer(refs, n_in, layer_gmem[0])
+    return refs[:n_mats], refs[n_mats:n_in], list(refs[n_in:])
 
 
 def in_specs(p: Plan, x_map, w_map, x_tr, w_tr) -> list:

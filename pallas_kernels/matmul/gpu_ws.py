@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, accumulate, at_layer, block_scale_reader, in_specs, launch,
+from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, accumulate, block_scale_reader, body_refs, in_specs, launch,
                                               reset_if, stream_k_maps, tile_done, tile_transforms, widen_fp8_tile)
 from pallas_kernels.matmul.reference import is_fp8
 
@@ -38,15 +38,9 @@ def kernel_call_ws(plan, w_dtype, block_scaled: bool, stacked: bool, interpret: 
         raise ValueError("the warp-specialized kernel takes fp8 weights only with fp8_via='f16'")
     x_fac = float(2 ** X_SHIFT) if f16 else 1.0
     x_tr, w_tr, deq_tr = tile_transforms(p.tile_d, wg_f, jnp.dtype(w_dtype).itemsize)
-    n_sc = M * (2 if block_scaled else 1)
 
     def body(x_gmem, *refs):
-        if stacked:
-            layer_gmem, *refs = refs
-            refs = at_layer(refs, n_sc, layer_gmem[0])
-        w_gmems = refs[:M]
-        s_gmems = refs[M:n_sc]
-        p_gmem, out_smem, *deq_smems = refs[n_sc:]
+        w_gmems, s_gmems, (p_gmem, out_smem, *deq_smems) = body_refs(refs, M, block_scaled, stacked)
         c = lax.axis_index("cta")
         coords, w_map, x_map = stream_k_maps(c, p.n_per, p.n_total, p.k_steps)
         specs = in_specs(p, x_map, w_map, x_tr, w_tr)

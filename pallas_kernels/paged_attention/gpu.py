@@ -35,15 +35,14 @@ Design notes
 - Pool content at positions >= kv_len must be finite (a zero-initialized pool and write_kv ensure it): a
   masked probability is 0, but 0 * NaN would still poison the PV product.
 
-Measured on one H200 (benchmarks/RESULTS.md "Paged attention", run D, 2026-11-29; 8 kv heads x 128, page 16,
-GQA 4): bf16 decode with the current defaults (64-token steps x 2 stages, two CTAs per SM, "waves" split-K)
-reads KV at 78-105% of the copy ceiling from batch 8 x 1k up (batch 32 x 1k: 91%, 0.035 ms; batch 8 x 8k:
-94%), 1.0-1.33x faster than the previous defaults (128 x 2, "sms2") and 1.6-1.9x faster than JAX's deprecated
-Triton paged_attention (run C). Batch 1 stays latency-bound (14-77%). fp8 pools run in gpu_fp8.py's
-warp-specialized kernel: 0.64x the previous fp8 time, but still 1.09-1.38x the bf16 time (goal <= 0.6x NOT
-met; see gpu_fp8.py for what limits it). Built after run D and NOT measured yet (no device time left in session
-3): fp8_qk=True (FP8_QK, default off) runs QK^T as an fp8 wgmma with q quantized per row to e4m3, widening only V,
-in both fp8 kernels (see gpu_fp8.py); the default stays the exact f16 path until a run shows it faster.
+Measured on one H200 (benchmarks/RESULTS.md "Paged attention"; 8 kv heads x 128, page 16, GQA 4): bf16 decode with
+the current defaults (64-token steps x 2 stages, two CTAs per SM, "waves" split-K) reads KV at 78-105% of the copy
+ceiling from batch 8 x 1k up (batch 32 x 1k: 91%, 0.035 ms; batch 8 x 8k: 94%), 1.0-1.33x faster than the previous
+defaults (128 x 2, "sms2") and 1.6-1.9x faster than JAX's deprecated Triton paged_attention. Batch 1 stays
+latency-bound (14-77%). fp8 pools run in gpu_fp8.py's warp-specialized kernel: 0.64x the previous fp8 time, but
+still 1.09-1.38x the bf16 time (goal <= 0.6x NOT met; see gpu_fp8.py for what limits it). Not measured on a GPU:
+fp8_qk=True (FP8_QK, default off) runs QK^T as an fp8 wgmma with q quantized per row to e4m3, widening only V, in
+both fp8 kernels (see gpu_fp8.py); the default stays the exact f16 path until a measurement shows it faster.
 """
 from __future__ import annotations
 
@@ -56,6 +55,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.utils import device_sm_count
 
 from . import common, gpu_fp8
 from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, issue_block_tmas, online_softmax_step,
@@ -137,14 +138,14 @@ def ring_scratch(cfg):
 
 
 SMEM_LIMIT = 220 * 1024
-FP8_CONVERTERS = 1  # converter warpgroups for fp8 decode (0: inline conversion); H200 run D: 1 converter,
+FP8_CONVERTERS = 1  # converter warpgroups for fp8 decode (0: inline conversion); H200: 1 converter,
 #                    128-token steps x 2 stages = 0.64x the inline kernel's time at batch 8 x 8k
-FP8_COMPUTE_WGS = 1  # compute warpgroups of the warp-specialized fp8 kernel (2: opt-in, not measured yet)
+FP8_COMPUTE_WGS = 1  # compute warpgroups of the warp-specialized fp8 kernel (2: opt-in, not measured on a GPU)
 FP8_QK = False  # fp8 decode: True runs QK^T as an fp8 wgmma on the stored K bytes with q quantized per row to
 #                 e4m3 (scale folded into the logit scale), widening only V; False = exact f16 path (q in f16)
 FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops,
-#                      1.4-1.6x slower than cvt on the H200, run D)
-SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape (runs C, D)
+#                      1.4-1.6x slower than cvt on the H200)
+SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape
 RAGGED_WAVES = 4  # ragged: persistent programs = this many waves (each loops over the real work items)
 WORK_LIST = False  # dense decode: True = run-time split choice over a work list (decode_work_list); see make_config
 
@@ -163,7 +164,7 @@ def choose_block(G: int, H: int, fp8: bool, ragged: bool = False, qk8: bool = Fa
 
   bf16 decode: 64-token steps x 2 stages (~81 KiB of shared memory, two CTAs per SM, so one CTA's prologue and
   epilogue overlap the other's streaming): with the "waves" split policy 78-105% of the copy ceiling from
-  batch 8 x 1k up (run D), where 128 x 2 (one CTA per SM) gave 59-104%. Ragged prefill keeps 128 x 2.
+  batch 8 x 1k up, where 128 x 2 (one CTA per SM) gave 59-104%. Ragged prefill keeps 128 x 2.
   fp8 (inline conversion; decode normally runs the warp-specialized kernel, see gpu_fp8.choose_block_ws):
   64-token steps, 3 stages.
   """
@@ -524,14 +525,8 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   return res[0] if cfg.final else res
 
 
-def _num_sms() -> int:
-  try:
-    dev = jax.devices()[0]
-    if dev.platform == "gpu":
-      return int(getattr(dev, "core_count", 132) or 132)
-  except Exception:  # noqa: BLE001 - device query is best effort
-    pass
-  return 132
+def _num_sms() -> int:  # a module function: tests patch it
+  return device_sm_count()
 
 
 def _row_maps(N, K, g):

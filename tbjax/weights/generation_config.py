@@ -24,6 +24,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from pallas_kernels.utils import is_int
+
 __all__ = ["GenerationDefaults", "load_generation_defaults", "from_generation_config", "SMOLLM2_CARD",
            "GENERATION_CONFIG_FILE", "GenerationConfigError"]
 
@@ -98,7 +100,7 @@ def from_generation_config(cfg: Mapping[str, Any], where: str = "generation_conf
     ids: tuple[int, ...] = ()
     if eos is not None:
         seq = eos if isinstance(eos, (list, tuple)) else [eos]
-        if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in seq):
+        if any(not is_int(e) or e < 0 for e in seq):
             raise GenerationConfigError(f"{where}: eos_token_id must be an int >= 0 or a list of them, got {eos!r}")
         ids = tuple(int(e) for e in seq)
     ignored = tuple(k for k, neutral in _UNSUPPORTED_NEUTRAL.items()

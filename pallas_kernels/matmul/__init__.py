@@ -1,4 +1,4 @@
-"""Decode matmuls at the memory-bandwidth limit (issue 9): weight-streaming kernels + dispatcher.
+"""Decode matmuls at the memory-bandwidth limit: weight-streaming kernels + dispatcher.
 
 Public API:
     decode_matmul(x_TD, w_DF, *, w_scale=None, layer=None, impl="auto")    -> y_TF
@@ -6,7 +6,8 @@ Public API:
                  impl="auto")                                                -> h_TF
     xla_flags_for_decode(backend="gpu")                                      -> list[str]
     kernel_unsupported_reason(x_TD, ws, scales=None)                         -> str | None
-reference.py defines the math; gpu.py is the Mosaic GPU (Hopper) kernel; tpu.py the XLA
+reference.py defines the math; gpu.py is the Mosaic GPU (Hopper) kernel and chooses between its variants
+(gpu_fused.py: one launch, gpu_ws.py: warp-specialized; the pieces they share in gpu_blocks.py); tpu.py the XLA
 fallback used on TPU; dispatch.py picks one.
 """
 from pallas_kernels.matmul.dispatch import decode_matmul, gate_up_silu, kernel_unsupported_reason

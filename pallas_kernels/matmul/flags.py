@@ -3,7 +3,7 @@
 Why this module exists: flags are process-wide and read once, when the backend initializes, so
 they can't be chosen per call; the library owns the choice and the measurement behind it.
 
-Measured on an H200, JAX 0.11.2, 2026-11-29 (benchmarks/RESULTS.md, issue 9), 4096x14336 bf16,
+Measured on an H200, JAX 0.11.2 (benchmarks/RESULTS.md), 4096x14336 bf16,
 16 layers, weight TB/s, XLA dots:
                                       T=1 default  T=1 no-triton  T=32 default  T=32 no-triton
     Python loop, separate arrays         2.61          0.77           3.17          3.45

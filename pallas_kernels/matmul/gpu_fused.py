@@ -24,8 +24,9 @@ Two ways to own an F tile (`Fused.mode`):
   checked by lowering for cuda on CPU and against the reference on the GPU (benchmark).
 
 Option `Fused.pdl` ("direct+pdl" in gpu.fused_mode): programmatic dependent launch, so a kernel's start
-(launch, L2 prefetch of its first weight tiles) overlaps the previous kernel's tail; measured (E1/E2) the
-per-call floor is ~5 us for Mosaic and XLA kernels alike, which is what it targets. Not measured yet.
+(launch, L2 prefetch of its first weight tiles) overlaps the previous kernel's tail; measured, the
+per-call floor is ~5 us for Mosaic and XLA kernels alike, which is what it targets. Its own gain is not
+measured (default off).
 
 Weights: bf16, or fp8 e4m3 through gpu.py's f16 path (exact e4m3 -> f16 in SMEM, 128x128 block
 scales on per-block float32 products). Per-channel fp8 scales and the warp-specialized /
@@ -64,7 +65,7 @@ class Fused:
     # weight tiles into L2 and only then waits for the previous kernel (griddepcontrol.wait) before it reads x.
     # Mosaic launches a kernel that uses griddepcontrol with the PDL attribute, so its prologue can overlap the
     # previous kernel's tail. Weights written by the previous kernel stay correct: the prefetch is an L2 hint and
-    # every real load comes after the wait. Not measured on the H200 yet (default off).
+    # every real load comes after the wait. Not measured on the H200 (default off).
     pdl: bool = False
 
 
@@ -333,14 +334,14 @@ def fused_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = Non
 
 def auto_mode(t: int, d: int, f: int, n_mats: int, w_itemsize: int, num_sms: int) -> str | None:
     """fused="auto" (gpu.FUSED_DEFAULT): "direct" where it measured faster than the partials + epilogue kernel in
-    both H200 runs (RESULTS.md "Decode matmuls", runs E1/E2), else None (that kernel). bf16: "direct" gained where
+    two H200 runs (RESULTS.md "Decode matmuls"), else None (that kernel). bf16: "direct" gained where
     its whole-tile runs still occupy >= 70% of the SMs -- the gate/up pair (112 CTAs) +3..10% at T = 1 and
     +17..25% at T = 32/64, qkv (96 CTAs) +4% / +31% at T = 1 / 64, 2048x7168 (112 CTAs) +15..23% at T <= 8 --
     and lost with few CTAs (7168x2048: 32 CTAs, -20..-53%) or short runs with many x rows (2048x7168 at T = 32:
     -16%). With 64 CTAs (o 4096x4096, down 14336x4096) the two runs disagreed (-12..+21%, run-to-run spread of
     ~10% on a 14 us call): not taken. Hence busy >= 70% and (Tp <= 8 or D >= 4096), T <= 64 (T = 128 not
-    measured). fp8: "direct" was 0.65-0.78x the default (the warp-specialized kernel at T <= 8) on o in E2 -> None.
-    ("sem" measured 0.9-1.06x the partials path in E1: opt-in only.)"""
+    measured). fp8: "direct" was 0.65-0.78x the default (the warp-specialized kernel at T <= 8) on o -> None.
+    ("sem" measured 0.9-1.06x the partials path: opt-in only.)"""
     if w_itemsize != 2 or padded_t(t) > 64:
         return None
     cfg = auto_config(t, d, f, n_mats, w_itemsize, False, num_sms, "direct")

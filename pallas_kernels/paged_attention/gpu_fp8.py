@@ -22,31 +22,31 @@ exactly value x 2^-8, the 2^8 folded into the logit scale and one multiply of th
 the same shared memory (RefUnion views), writing the head dim in widen_permutation order (q is permuted to
 match, the output permuted back). Exact, but slower than cvt on the H200.
 
-Measured (H200, benchmarks/RESULTS.md runs C and D, batch 8 x 8k, GQA 4, bf16 = 0.080 ms with the old bf16
+Measured (H200, benchmarks/RESULTS.md, batch 8 x 8k, GQA 4, bf16 = 0.080 ms with the old bf16
 defaults / 0.067 ms with the new): inline conversion 0.116 ms ("sms2" splits) / 0.079 ("waves"); this kernel
 with 1 converter x 128-token steps 0.074 (the default), 1-3 converters x 64-token steps 0.085, 2 converters x
 128 0.084; "bits" 0.091-0.119. More converter warpgroups do not help and integer widening is slower, and the
 fp8 kernel moves tokens at about the bf16 kernel's token rate (fp8/bf16 time 0.9-1.1 at equal split policy).
 Hypothesis (not profiled): once the bytes halve, the limit is the single compute warpgroup's serial per-step
 chain (QK wgmma -> softmax -> PV wgmma at M=64 rows of which 4-8 are used), not the conversion.
-fp8_compute_wgs=2 (opt-in, NOT measured on the GPU yet: the device allowance was spent) tests that hypothesis:
+fp8_compute_wgs=2 (opt-in, not measured on a GPU) tests that hypothesis:
 two compute warpgroups take alternate steps (steps i % 2 == c), each with its own acc/m/l, and each writes its
 own split-K partial (so the existing combine merges them); one converter feeds both. Checked in the GPU
 interpreter with its race detector and lowered for cuda (tests/test_paged_attention_gpu.py).
 
-fp8_qk=True (cfg.qk8; opt-in, gpu.FP8_QK, NOT measured on the GPU yet: session 3's device time was spent before
-the run) removes half of the conversion: Mosaic GPU's wgmma takes e4m3/e5m2 operands with f32 accumulation when
-both are K-major, which q [rows, H] and a K page [tokens, H] are for Q.K^T. The wrapper quantizes q per row to
-e4m3 (gpu.quantize_q_rows; the row scale times the softmax scale multiplies the logits), the compute warpgroup
-runs QK^T on the fp8 K bytes straight from the TMA ring, and the converters widen only V (V is [tokens, H], i.e.
-N-major for P.V, which 8-bit wgmma cannot take without a transpose). Because the ring slot is now read by the
-compute warpgroup, a `kread` barrier per slot tells the converter when it may be refilled (the converter refills
-step i's slot while starting step i + C, so the wait is normally already satisfied); with no f16 K staging the
-default ring doubles (128-token steps x 4 stages). The same option exists in gpu.py's one-warpgroup kernel, where
-the V conversion runs while the QK wgmma is in flight and the smaller shared-memory footprint (64 x 3: ~73 KiB)
-allows three CTAs per SM. Accuracy: the result equals the fp8-aware reference evaluated at the quantized q (tests);
-against the reference at the original q it adds the e4m3 rounding of q (<= 2^-4 relative per element), about the
-size of the error the e4m3 K already has (a few 1e-4 .. 1e-3 absolute on unit-scale outputs in the CPU tests).
+fp8_qk=True (cfg.qk8; opt-in, gpu.FP8_QK, not measured on a GPU) removes half of the conversion: Mosaic GPU's wgmma
+takes e4m3/e5m2 operands with f32 accumulation when both are K-major, which q [rows, H] and a K page [tokens, H]
+are for Q.K^T. The wrapper quantizes q per row to e4m3 (gpu.quantize_q_rows; the row scale times the softmax scale
+multiplies the logits), the compute warpgroup runs QK^T on the fp8 K bytes straight from the TMA ring, and the
+converters widen only V (V is [tokens, H], i.e. N-major for P.V, which 8-bit wgmma cannot take without a
+transpose). Because the ring slot is now read by the compute warpgroup, a `kread` barrier per slot tells the
+converter when it may be refilled (the converter refills step i's slot while starting step i + C, so the wait is
+normally already satisfied); with no f16 K staging the default ring doubles (128-token steps x 4 stages). The same
+option exists in gpu.py's one-warpgroup kernel, where the V conversion runs while the QK wgmma is in flight and the
+smaller shared-memory footprint (64 x 3: ~73 KiB) allows three CTAs per SM. Accuracy: the result equals the
+fp8-aware reference evaluated at the quantized q (tests); against the reference at the original q it adds the e4m3
+rounding of q (<= 2^-4 relative per element), about the size of the error the e4m3 K already has (a few 1e-4 ..
+1e-3 absolute on unit-scale outputs in the CPU tests).
 """
 from __future__ import annotations
 
@@ -435,8 +435,8 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
 
 
 def choose_block_ws(G, H, converters, compute_wgs=1, qk8=False):
-  """(BK, stages) defaults for the warp-specialized kernel. H200 run D, batch 8 x 8k: one converter with
-  128-token steps x 2 stages 0.074 ms, two converters x 64 x 4 0.085, three 0.085 (run C).
+  """(BK, stages) defaults for the warp-specialized kernel. H200, batch 8 x 8k: one converter with
+  128-token steps x 2 stages 0.074 ms, two converters x 64 x 4 0.085, three 0.085.
   qk8 (no f16 K staging; a ring slot is refilled only after the QK of its step): 4 stages."""
   if converters == 1:
     BK, stages = min(G, 128) if G > 64 else 128, 2

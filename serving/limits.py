@@ -221,6 +221,8 @@ def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, li
     the KV positions one sequence can hold (the default max_tokens stays within them)."""
     out: dict[str, Any] = {}
     left = max_context - prompt_len
+    # the KV pool holds kv_tokens positions of one sequence: prompt + max_tokens - 1 of them
+    kv_left = None if kv_tokens is None else kv_tokens + 1 - prompt_len
     if sp.HasField("max_tokens"):
         mt = sp.max_tokens
         if mt < 1:
@@ -230,8 +232,12 @@ def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, li
         if mt > left:
             raise _invalid(f"prompt ({prompt_len} tokens) + max_tokens ({mt}) = {prompt_len + mt} exceeds the "
                            f"model's context of {max_context} tokens")
+        if kv_left is not None and mt > kv_left:
+            raise _invalid(f"prompt ({prompt_len} tokens) + max_tokens ({mt}) = {prompt_len + mt} exceeds the "
+                           f"context one request can have here: {kv_tokens + 1} tokens (what the KV cache's pages "
+                           "hold for one sequence)")
     else:
-        mt = min(limits.default_max_tokens, left, *(() if kv_tokens is None else (max(kv_tokens - prompt_len + 1, 1),)))
+        mt = min(limits.default_max_tokens, left, *(() if kv_left is None else (max(kv_left, 1),)))
     out["max_tokens"] = mt
     if sp.HasField("temperature"):
         t = _finite("temperature", sp.temperature)

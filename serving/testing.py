@@ -91,9 +91,10 @@ BAD_REQUESTS = [
     BadRequest("max_tokens_zero", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens", lambda i: _req(max_tokens=0)),
     BadRequest("max_tokens_absurd", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens",
                lambda i: _req(max_tokens=2_000_000_000)),
+    # the context: the model's, or less where the KV pool holds less for one sequence (ModelInfo's limits say so)
     BadRequest("max_tokens_over_context", grpc.StatusCode.INVALID_ARGUMENT, "context",
-               lambda i: _ids([5] * (i["max_context"] // 2 + 1), max_tokens=min(i["max_tokens_limit"],
-                                                                                 i["max_context"] // 2 + 1))),
+               lambda i: _ids([5] * min(i["max_prompt_tokens"], i["max_context"] // 2 + 1),
+                              max_tokens=min(i["max_tokens_limit"], i["max_context"] // 2 + 1))),
     BadRequest("temperature_negative", grpc.StatusCode.INVALID_ARGUMENT, "temperature",
                lambda i: _req(temperature=-0.5)),
     BadRequest("temperature_nan", grpc.StatusCode.INVALID_ARGUMENT, "temperature",

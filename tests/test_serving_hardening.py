@@ -174,6 +174,17 @@ def test_tokenizing_is_off_the_loop_and_bounded():
         assert results == [2, 2, 2, 2]
         assert tok.max_active == 2, tok.max_active            # the semaphore: at most 2 at once
         assert "tbjax-grpc" not in tok.threads, tok.threads   # never on the server's event loop thread
+        tok.max_active = 0                 # HTTP shares the same semaphore
+        codes = []
+        threads = [threading.Thread(target=lambda i=i: codes.append(_post(
+            st.server.http_url + "/v1/completions", {"prompt": f"http prompt {i}", "max_tokens": 2})[0]))
+            for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert codes == [200] * 4 and tok.max_active == 2, (codes, tok.max_active)
+        assert "tbjax-grpc" not in tok.threads
 
 
 # -- admission limits ------------------------------------------------------------------------------------------
@@ -335,3 +346,15 @@ def test_http_request_waiting_in_the_queue_leaves_it_when_the_client_goes_away()
         assert st.run_coro(_counts(sv)) == (1, 0)
         assert st.server.engine_loop.call(lambda e: e.num_added).result(10) == added   # never reached the engine
         s.close()
+
+
+def test_request_over_the_kv_share_is_refused_by_validation_naming_the_context():
+    model = fake_served_model(num_pages=64, page_size=4, max_model_len=8192, max_num_batched_tokens=8192)
+    with ServerThread(model, metrics_port=None) as st, Client(st.address, timeout=30) as c:
+        added = st.server.engine_loop.call(lambda e: e.num_added).result(10)
+        with pytest.raises(grpc.RpcError) as e:     # 200 + 60 - 1 > 252 KV positions, within the model's 8192
+            c.generate(token_ids=[5] * 200, max_tokens=60)
+        d = e.value.details()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in d and "253" in d and "KV" in d, d
+        assert st.server.engine_loop.call(lambda e: e.num_added).result(10) == added   # never reached the engine
+        assert c.generate(token_ids=[5] * 200, max_tokens=53, ignore_eos=True).completion_tokens == 53

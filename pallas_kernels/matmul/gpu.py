@@ -58,11 +58,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.matmul import gpu_fused, gpu_ws
-from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, accumulate,
-                                              block_scale_reader, body_refs, in_specs, kernel_args, launch,
-                                              num_sms_default, padded_t, pipeline_stages, reset_if, slots_of_runs,
-                                              split_operands, stage_bytes, stream_k_maps, tile_done, tile_transforms,
-                                              unsupported_reason, widen_fp8_tile, x_to_f16)
+from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, block_scale_reader,
+                                              body_refs, in_specs, kernel_args, launch, num_sms_default, padded_t,
+                                              pipeline_stages, pipeline_step, slots_of_runs, split_operands,
+                                              stage_bytes, stream_k_maps, tile_transforms, unsupported_reason,
+                                              widen_fp8_tile, x_to_f16)
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 __all__ = ["MAX_T", "SMEM_LIMIT", "X_SHIFT", "Plan", "TileConfig", "padded_t", "unsupported_reason", "make_plan",
@@ -113,34 +113,24 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
         coords, w_map, x_map = stream_k_maps(c, p.n_per, p.n_total, p.k_steps)
         gmem_scales = block_scale_reader(s_gmems, coords, p)
 
-        def step(idx, x_smem, *smems_and_carry):
-            (i,) = idx
-            *w_smems, (accs, s_cur) = smems_and_carry
-            g, j, k = coords(i)
-            s_next = gmem_scales(i + 1) if s_cur is not None else None
-            new_accs = []
-            for m in range(M):
-                if f16:
-                    a_ref = widen_fp8_tile(w_smems[m], deq_smems[m], p)
-                elif fp8:
-                    dst = deq_smems[m]
-                    for r in range(p.tile_d // 64):
-                        rows = pl.ds(r * 64, 64)
-                        # fp8 -> bf16 goes through f32: this ptxas has no direct e4m3 -> bf16 cvt
-                        v = w_smems[m].at[rows][...].astype(jnp.float32)
-                        if block_scaled:
-                            # one scale per 128x128 block; tile_f <= 128 (checked by unsupported_reason)
-                            v = v * s_cur[m][(r * 64) // BLOCK]
-                        dst.at[rows][...] = v.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    a_ref = dst
-                else:
-                    a_ref = w_smems[m]
-                # f16 with block scales: one fresh float32 product per 128-row scale block, scaled in registers
-                new_accs.append(accumulate(accs[m], a_ref, x_smem, s_cur[m] if (f16 and block_scaled) else None,
-                                           x_fac, interpret))
-            flush = tile_done(p, g, k, i)
+        def operand(m, w_smem, s_cur):
+            if f16:
+                return widen_fp8_tile(w_smem, deq_smems[m], p)
+            if not fp8:
+                return w_smem
+            dst = deq_smems[m]
+            for r in range(p.tile_d // 64):
+                rows = pl.ds(r * 64, 64)
+                # fp8 -> bf16 goes through f32: this ptxas has no direct e4m3 -> bf16 cvt
+                v = w_smem.at[rows][...].astype(jnp.float32)
+                if block_scaled:
+                    # one scale per 128x128 block; tile_f <= 128 (checked by unsupported_reason)
+                    v = v * s_cur[m][(r * 64) // BLOCK]
+                dst.at[rows][...] = v.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            return dst
 
+        def on_flush(flush, new_accs, j):
             @pl.when(flush)
             def _flush():
                 slot = c - lax.div(j * p.k_steps, p.n_per)
@@ -153,7 +143,8 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
                     plgpu.copy_smem_to_gmem(
                         out_smem.at[m], p_gmem.at[m, slot, pl.ds(j * p.tile_f, p.tile_f)])
 
-            return reset_if(flush, new_accs), s_next
+        # f16 with block scales: one fresh float32 product per 128-row scale block, scaled in registers
+        step = pipeline_step(p, coords, gmem_scales, operand, f16 and block_scaled, x_fac, interpret, on_flush)
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
         s0 = gmem_scales(0) if block_scaled else None

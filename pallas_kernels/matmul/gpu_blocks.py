@@ -295,6 +295,27 @@ def accumulate(acc, a_ref, x_smem, scales, x_fac: float, interpret: bool):
     return mma_accumulate(acc, a_ref.transpose((1, 0)), x_smem.transpose((1, 0)), interpret)
 
 
+def pipeline_step(p: Plan, coords, gmem_scales, operand, scaled_mma: bool, x_fac: float, interpret: bool,
+                  on_flush):
+    """The pipeline step every kernel runs: read the next step's block scales (carried, so their latency hides
+    behind a step), accumulate each matrix m's operand(m, w_smem, s_cur) (the weight tile or its widened copy in
+    SMEM) onto its running sum (per-block scaled products when scaled_mma), call on_flush(flush, sums, j) (the
+    kernel's own way to finish F tile j, under pl.when(flush)), and zero the sums where the tile was flushed."""
+    def step(idx, x_smem, *smems_and_carry):
+        (i,) = idx
+        *w_smems, (accs, s_cur) = smems_and_carry
+        g, j, k = coords(i)
+        s_next = gmem_scales(i + 1) if s_cur is not None else None
+        new_accs = []
+        for m in range(p.n_mats):
+            a_ref = operand(m, w_smems[m], s_cur)
+            new_accs.append(accumulate(accs[m], a_ref, x_smem, s_cur[m] if scaled_mma else None, x_fac, interpret))
+        flush = tile_done(p, g, k, i)
+        on_flush(flush, new_accs, j)
+        return reset_if(flush, new_accs), s_next
+    return step
+
+
 def widen_fp8_tile(w_smem, dst_smem, p):
     """Widen an e4m3 weight tile in SMEM to an f16 copy (exact, one cvt per pair; the scales stay out of the
     weights), `p.deq_rows` rows at a time; returns the copy for the wgmma. Inside a Mosaic GPU kernel body."""

@@ -44,9 +44,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.matmul import gpu_blocks as blocks
-from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, Plan, TileConfig, accumulate, at_layer, block_scale_reader,
-                                              in_specs, kernel_args, launch, padded_t, pipeline_stages,
-                                              slots_of_runs, split_operands, stage_bytes, stream_k_maps, tile_done,
+from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, Plan, TileConfig, at_layer, block_scale_reader, in_specs,
+                                              kernel_args, launch, padded_t, pipeline_stages, pipeline_step,
+                                              slots_of_runs, split_operands, stage_bytes, stream_k_maps,
                                               tile_transforms, widen_fp8_tile, x_to_f16)
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
@@ -179,17 +179,10 @@ def kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpre
                 plgpu.copy_smem_to_gmem(out_smem.at[o, pl.ds(0, T)],
                                         y_gmem.at[o, :, pl.ds(j * p.tile_f, p.tile_f)])
 
-        def step(idx, x_smem, *smems_and_carry):
-            (i,) = idx
-            *w_smems, (accs, s_cur) = smems_and_carry
-            g, j, k = coords(i)
-            s_next = gmem_scales(i + 1) if block_scaled else None
-            new_accs = []
-            for m in range(M):
-                a_ref = widen_fp8_tile(w_smems[m], deq_smems[m], p) if fp8 else w_smems[m]
-                new_accs.append(accumulate(accs[m], a_ref, x_smem, s_cur[m] if block_scaled else None,
-                                           x_fac, interpret))
-            flush = tile_done(p, g, k, i)
+        def operand(m, w_smem, s_cur):
+            return widen_fp8_tile(w_smem, deq_smems[m], p) if fp8 else w_smem
+
+        def on_flush(flush, new_accs, j):
             vals = [a * x_fac if (fp8 and not block_scaled) else a for a in new_accs]
 
             if not sem_mode:
@@ -230,7 +223,7 @@ def kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpre
                                 red_smem[m] = red_smem[m] + part_smem[m]
                     finish([plgpu.layout_cast(red_smem[m], plgpu.Layout.WGMMA) for m in range(M)], j)
 
-            return blocks.reset_if(flush, new_accs), s_next
+        step = pipeline_step(p, coords, gmem_scales, operand, block_scaled, x_fac, interpret, on_flush)
 
         zeros = tuple(jnp.zeros((p.tile_f, p.tp), jnp.float32) for _ in range(M))
         s0 = gmem_scales(0) if block_scaled else None

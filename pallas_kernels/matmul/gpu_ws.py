@@ -20,8 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, accumulate, block_scale_reader, body_refs, in_specs, launch,
-                                              reset_if, stream_k_maps, tile_done, tile_transforms, widen_fp8_tile)
+from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, block_scale_reader, body_refs, in_specs, launch, pipeline_step,
+                                              stream_k_maps, tile_transforms, widen_fp8_tile)
 from pallas_kernels.matmul.reference import is_fp8
 
 MEMORY_REGISTERS = 40
@@ -57,19 +57,11 @@ def kernel_call_ws(plan, w_dtype, block_scaled: bool, stacked: bool, interpret: 
             # block scales of step i (clamped) for this warpgroup's F rows
             gmem_scales = block_scale_reader(s_gmems, coords, p, row0=wg * wg_f)
 
-            def step(idx, x_smem, *smems_and_carry):
-                (i,) = idx
-                *w_smems, (accs, s_cur) = smems_and_carry
-                g, j, k = coords(i)
-                s_next = gmem_scales(i + 1) if block_scaled else None
-                new_accs = []
-                for m in range(M):
-                    w_mine = w_smems[m].at[:, cols]
-                    a_ref = widen_fp8_tile(w_mine, deq_smems[m].at[wg], p) if f16 else w_mine
-                    new_accs.append(accumulate(accs[m], a_ref, x_smem, s_cur[m] if block_scaled else None,
-                                               x_fac, interpret))
-                flush = tile_done(p, g, k, i)
+            def operand(m, w_smem, s_cur):
+                w_mine = w_smem.at[:, cols]
+                return widen_fp8_tile(w_mine, deq_smems[m].at[wg], p) if f16 else w_mine
 
+            def on_flush(flush, new_accs, j):
                 @pl.when(flush)
                 def _flush():
                     slot = c - lax.div(j * p.k_steps, p.n_per)
@@ -82,7 +74,7 @@ def kernel_call_ws(plan, w_dtype, block_scaled: bool, stacked: bool, interpret: 
                             out_smem.at[wg, m],
                             p_gmem.at[m, slot, pl.ds(j * p.tile_f + wg * wg_f, wg_f)])
 
-                return reset_if(flush, new_accs), s_next
+            step = pipeline_step(p, coords, gmem_scales, operand, block_scaled, x_fac, interpret, on_flush)
 
             def compute_context(run):
                 zeros = tuple(jnp.zeros((wg_f, p.tp), jnp.float32) for _ in range(M))

@@ -59,8 +59,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.utils import device_sm_count
 
 from . import common, gpu_fp8
-from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, issue_block_tmas, online_softmax_step,
-                         page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
+from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, decode_program, issue_block_tmas,
+                         online_softmax_step, page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
 
 
 
@@ -223,17 +223,12 @@ def _kernel(cfg: KernelConfig, *refs):
       qtile = tile_ref[item, 1]  # the q tile this item reads (64/g consecutive query rows)
       qpos0 = tile_ref[item, 2]  # position of the tile's first query row (rows of other sequences: thrown away)
       p_lo, p_hi = tile_ref[item, 3], tile_ref[item, 4]  # positions of this sequence's rows in the tile
-      sp = 0
-    elif cfg.worklist:
-      w = lax.axis_index("work")
-      s, sp, nsp = wl_ref[w, 0], wl_ref[w, 1], wl_ref[w, 2]
+      sp, nsp = 0, None
     else:
-      s = lax.axis_index("seq")
-      sp = lax.axis_index("split")
+      w, s, sp, nsp = decode_program(cfg, wl_ref)
     kv_len = lens_ref[s]
     b_lo, n_steps, block_pages, logical_page = block_walk(
-        cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, (p_lo, p_hi) if cfg.ragged else None,
-        nsp if cfg.worklist else None)
+        cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, (p_lo, p_hi) if cfg.ragged else None, nsp)
     busy = n_steps > 0  # False: kv_len 0 / a split past the real length / an empty item: no TMA at all
 
     # q rows. Decode: a 64-row window of heads containing kv head k's group. Ragged: 64/g tokens x g heads.

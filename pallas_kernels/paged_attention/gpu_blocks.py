@@ -89,6 +89,15 @@ def online_softmax_step(cfg, logits, pos, kv_len, m_i, l_i, acc, qpos=None):
   return p, m_new, l_i, acc
 
 
+def decode_program(cfg, wl_ref):
+  """(work item or None, sequence, split, run-time split count or None) of this decode program: from the work
+  list (work-list decode) or from the grid."""
+  if cfg.worklist:
+    w = lax.axis_index("work")
+    return w, wl_ref[w, 0], wl_ref[w, 1], wl_ref[w, 2]
+  return None, lax.axis_index("seq"), lax.axis_index("split"), None
+
+
 def block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref, ragged=None, nsplit=None):
   """Which KV blocks one program reads, shared by the kernels here and in gpu_fp8.py.
 

@@ -61,8 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import common
-from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, issue_block_tmas, online_softmax_step,
-                         page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
+from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, decode_program, issue_block_tmas,
+                         online_softmax_step, page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
 
 DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
 
@@ -172,13 +172,7 @@ def _kernel_ws(cfg, C, *refs):
   widen = E4M3_BITS_FACTOR if (cfg.fp8_bits and jnp.dtype(cfg.fp8) == jnp.dtype(jnp.float8_e4m3fn)) else 1.0
   wg = lax.axis_index("wg")
   k = lax.axis_index("kvh")
-  nsp = None
-  if cfg.worklist:
-    w = lax.axis_index("work")
-    s, sp, nsp = wl_ref[w, 0], wl_ref[w, 1], wl_ref[w, 2]
-  else:
-    s = lax.axis_index("seq")
-    sp = lax.axis_index("split")
+  w, s, sp, nsp = decode_program(cfg, wl_ref)
   kv_len = lens_ref[s]
   b_lo, n_steps, block_pages, logical_page = block_walk(cfg, s, k, sp, kv_len, bt_ref, lp_ref, nsel_ref,
                                                         nsplit=nsp)

@@ -52,3 +52,29 @@ def smollm_llm(smollm_f32):
     from tbjax.llm import LLM
     spec, params, tok = smollm_f32
     return LLM.from_parts(spec, params, tok, num_pages=256, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _grouped_folders():
+    with open(os.path.join(_TESTS, "groups.txt")) as f:
+        lines = [ln.split() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    return {d for line in lines for d in line}
+
+
+def pytest_configure(config):
+    """Every test file sits in a subsystem folder that tests/groups.txt lists: CI runs the folders named there, so a
+    file anywhere else would silently never run. Checked at the start of every run, whatever it selects."""
+    listed = _grouped_folders()
+    stray = []
+    for root, dirs, files in os.walk(_TESTS):
+        dirs[:] = [d for d in dirs if d not in ("data", "__pycache__")]
+        rel = os.path.relpath(root, _TESTS)
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py") and (rel == "." or rel.split(os.sep)[0] not in listed):
+                stray.append(os.path.join(rel, name))
+    if stray:
+        raise pytest.UsageError(
+            f"test files outside the folders tests/groups.txt lists ({sorted(listed)}), which CI would never run: "
+            f"{sorted(stray)}")

@@ -13,7 +13,7 @@ from tbjax.model import forward_dense, init_params
 from tbjax.prefill_pipeline import PipelinePrefill, balanced_partition, layer_flops_per_token, split_layers
 from tbjax.spec import ModelSpec
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
 
 
 def _deepseek():

@@ -25,7 +25,7 @@ from serving.fake_engine import FakeEngine, fake_served_model, reference
 from serving.server import ServerThread
 from tbjax import compile_monitor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WARMUP_S = 1.5
 
 

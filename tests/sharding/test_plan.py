@@ -11,7 +11,7 @@ from sharding.mesh import DecodeLayout, MeshMismatch
 from tbjax import plan as pl
 from tbjax.spec import ModelSpec
 
-CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "configs")   # copies of ../shared/configs
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "configs")   # copies of ../shared/configs
 DS, KIMI = os.path.join(CONFIGS, "deepseek-v3.json"), os.path.join(CONFIGS, "kimi-k2-instruct.json")
 GIB = 1024 ** 3
 

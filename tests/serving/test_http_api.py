@@ -493,7 +493,7 @@ def test_serve_cli_serves_http_beside_grpc(extra):
     import signal
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--port", "0", "--metrics-port", "-1",
                           "--log-level", "INFO", *extra], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)

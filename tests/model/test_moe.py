@@ -17,7 +17,7 @@ from tbjax.spec import ModelSpec, MoESpec
 from tbjax.weights.assemble import WeightLoadError
 from tbjax.weights.hf_names_moe import block_dequant, load_hf
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
 SEED = int.from_bytes(os.urandom(4), "little")
 
 

@@ -15,7 +15,7 @@ from tbjax.model.transformer import forward_hidden, lm_logits
 from tbjax.spec import ModelSpec, rope_attention_scale
 from tbjax.weights.hf_names_moe import load_hf
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
 SEED = int.from_bytes(os.urandom(4), "little")
 
 

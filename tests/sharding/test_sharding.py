@@ -18,7 +18,7 @@ from sharding.prefetch import gather_buffer
 from tbjax.model import mesh_forward as mf
 from tbjax.weights.hf_names_moe import load_hf
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
 SEED = int.from_bytes(os.urandom(4), "little")
 REPS = 4                               # 2 reference rows x 4 = 8 sequences: one per device on 8 devices
 

@@ -14,7 +14,7 @@ from serving.prompt_logprobs import bucket, prompt_logprobs
 from tbjax.engine import Engine, EngineConfig
 from tbjax.model import forward_dense
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
 
 
 def _want(spec, params, ids, k):

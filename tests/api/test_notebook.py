@@ -6,7 +6,7 @@ import sys
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):

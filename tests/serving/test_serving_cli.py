@@ -13,7 +13,7 @@ import pytest
 from serving.client import Client
 from serving.fake_engine import FakeTokenizer, reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _start(*args):

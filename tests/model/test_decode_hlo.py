@@ -31,7 +31,7 @@ from tbjax.model.kinds import fold_norms
 from tbjax.model.params import split_layer_buffers
 from tbjax.sampling import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_hlo_decode as ghd  # noqa: E402
 

@@ -153,7 +153,7 @@ def test_serve_cli_api_key_from_the_environment_and_no_reflection():
     import os
     import re
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TBJAX_API_KEY=KEY)
     p = subprocess.Popen([sys.executable, "-m", "tbjax.serve", "--fake-engine", "--port", "0", "--metrics-port", "-1",
                           "--http-port", "0", "--no-reflection"], cwd=root, env=env, stdout=subprocess.PIPE,
@@ -183,7 +183,7 @@ def test_serve_cli_api_key_from_the_environment_and_no_reflection():
 def test_serve_cli_rejects_bad_security_flags(args, msg):
     import os
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-m", "tbjax.serve", "--fake-engine", *args], cwd=root, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and msg in r.stderr, r.stderr

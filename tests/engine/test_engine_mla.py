@@ -14,7 +14,7 @@ from tbjax.model import init_params
 from tbjax.sampling import SamplingParams
 from tbjax.spec import ModelSpec
 
-CFG = os.path.join(os.path.dirname(__file__), "data", "hf_moe", "deepseek_v3", "config.json")
+CFG = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe", "deepseek_v3", "config.json")
 
 
 @pytest.fixture(scope="module")

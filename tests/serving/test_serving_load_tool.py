@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("load_test", os.path.join(ROOT, "benchmarks", "load_test.py"))
 lt = importlib.util.module_from_spec(_spec)
 sys.modules["load_test"] = lt

@@ -23,7 +23,7 @@ from serving.pd_worker import PD_SERVICE, STALL_ENV
 import tbjax
 from tbjax.sampling import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-pages", "256"]   # as the e2e test
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village, there lived an old man who"]
 N_TOK = 8

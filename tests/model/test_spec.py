@@ -7,9 +7,9 @@ import pytest
 from tbjax.spec import ModelSpec, SpecError, UnsupportedArchitecture
 
 # ../shared/configs beside the checkout when present; else the copies in tests/data/configs (CI's clean clone)
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "configs")
 if not os.path.isdir(CONFIGS):
-    CONFIGS = os.path.join(os.path.dirname(__file__), "data", "configs")
+    CONFIGS = os.path.join(os.path.dirname(__file__), "..", "data", "configs")
 
 
 def cfg(name):

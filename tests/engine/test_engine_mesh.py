@@ -20,7 +20,7 @@ from tbjax.engine import Engine, EngineConfig
 from tbjax.sampling import SamplingParams
 from tbjax.weights.hf_names_moe import load_hf
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
 MESHES = ["dp=8", "dp=4,ep=2", "dp=2,ep=4"]
 N_OUT = 5
 

@@ -22,7 +22,7 @@ from serving.kv_transfer import (CODECS, ArrayPagePool, KVReceiver, KVSender, Sp
                                  kv_service_handler, register_codec)
 from serving.metrics import ServerMetrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE_SHAPE = (3, 4, 2, 8)     # [L, G, 2K, H], tiny
 DTYPE = "bfloat16"
 

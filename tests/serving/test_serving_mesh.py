@@ -17,7 +17,7 @@ from serving.testing import kv_pages_all_free
 from tbjax.llm import LLM
 from tbjax.weights.hf_names_moe import load_hf
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "hf_moe", "qwen3_moe")
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe", "qwen3_moe")
 
 
 def test_grpc_on_a_mesh_engine_streams_recompute_tokens():

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GENERATED = tuple(f"{m}{suffix}" for m in ("tbjax_v1", "tbjax_kv_v1")
                   for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 

@@ -149,6 +149,19 @@ class Slot:
         sv.metrics.requests.labels(outcome=self.outcome).inc()
 
 
+async def _send(context, resp, rid: str) -> None:
+    """Write one streamed response. A write the transport refuses means the client reset or cancelled the stream
+    (the cancellation may not have reached grpc yet): end the handler as cancelled, which grpc logs at DEBUG,
+    instead of letting the failed batch surface as an ERROR traceback per stream."""
+    try:
+        await context.write(resp)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ExecuteBatchError / UsageError from a dead call
+        log.debug("request %s: write failed (%s): the client is gone", shown(rid), type(e).__name__)
+        raise asyncio.CancelledError() from e
+
+
 class TbjaxServicer:
     """Implements tbjax.v1.Tbjax over an ``EngineLoop``. Runs on the server's asyncio loop only. Its admission
     (``admit``) and request streams (``stream``) are shared with the HTTP front end (serving/http_api.py), so that
@@ -400,7 +413,7 @@ class TbjaxServicer:
                             resp.finish_reason = FINISH_REASONS.get(ch.finish_reason, pb.FINISH_REASON_ABORT)
                             resp.usage.prompt_tokens = n_prompt
                             resp.usage.completion_tokens = n_out
-                        yield resp
+                        await _send(context, resp, rid)
                 except StreamFailed as e:
                     await self._reject(context, e.code, e.message)
                 except (asyncio.CancelledError, GeneratorExit):   # the client went away / its deadline passed

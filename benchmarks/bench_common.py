@@ -1,13 +1,57 @@
-"""Shared by the benchmark scripts: compile time read directly from JAX's own duration events."""
-import jax
+"""Shared by the benchmark scripts: the run's identity in every JSON (one ``commit`` field), and compile time read
+directly from JAX's own duration events.
+
+Every script writes its JSON through ``write_json``, which stamps ``commit`` (``git rev-parse --short HEAD`` of the
+tree the script runs from, else ``$TBJAX_COMMIT`` for copies without ``.git``, e.g. a ``git archive`` on the GPU
+machine), ``date`` and ``host`` unless the result already has them."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LEGACY_COMMIT_KEYS = ("git_commit", "git", "sha")
 
 _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
            "/jax/core/compile/backend_compile_duration": "backend"}
 
 
+def git_commit() -> str:
+    """The short commit of this tree; ``$TBJAX_COMMIT`` where there is no git checkout; else "unknown"."""
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                           timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        c = ""
+    return c or os.environ.get("TBJAX_COMMIT", "unknown")
+
+
+def run_info() -> dict:
+    """commit, date, host and python of this run."""
+    return {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
+            "python": platform.python_version()}
+
+
+def write_json(path: str, result) -> None:
+    """Write ``result`` (a dict, or a list that becomes ``{"rows": ...}``) with the run's identity fields."""
+    out = {"rows": result} if isinstance(result, list) else result
+    if isinstance(out, dict):
+        for k in _LEGACY_COMMIT_KEYS:
+            out.pop(k, None)
+        for k, v in run_info().items():
+            out.setdefault(k, v)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+
+
 def compile_timer() -> dict:
     """A dict {trace, lower, backend} of seconds that JAX keeps adding to as it compiles (or loads from cache)."""
+    import jax
+
     acc = {"trace": 0.0, "lower": 0.0, "backend": 0.0}
 
     def _listen(event, duration, **_):

@@ -45,6 +45,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -63,8 +66,7 @@ def log(*a):
 
 def save(out_dir):
     if out_dir:
-        with open(os.path.join(out_dir, OUT_NAME), "w") as fh:
-            json.dump(RESULTS, fh, indent=1, default=str)
+        write_json(os.path.join(out_dir, OUT_NAME), RESULTS)
 
 
 def torch_copy_ceiling(nbytes=4 << 30):

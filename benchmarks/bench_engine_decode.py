@@ -41,6 +41,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit, write_json  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG_DIR = os.path.join(HERE, "configs")
@@ -611,15 +614,6 @@ def _subprocess_json(cmd, timeout, env=None) -> dict:
     return last
 
 
-def _git_commit() -> str:
-    try:
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                           timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        c = ""
-    return c or os.environ.get("TBJAX_GIT_COMMIT", "?")
-
-
 def summarize(res: dict) -> str:
     jx = res.get("jax", {})
     ceil = res.get("ceiling_TBps")
@@ -727,7 +721,7 @@ def main(argv=None) -> int:
         return 0
 
     t_start = time.time()
-    res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": _git_commit(),
+    res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": git_commit(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup,
            "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "layer_buffers": args.layer_buffers, "fold_norms": args.fold_norms}
@@ -737,8 +731,7 @@ def main(argv=None) -> int:
 
     def save():
         for p in outs:
-            with open(p, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            write_json(p, res)
 
     try:
         import importlib.util

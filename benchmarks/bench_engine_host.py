@@ -21,6 +21,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
@@ -96,15 +99,9 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{dms:9.2f} {str(overlap):>7} {r['median_step_ms']:16.3f} {r['last50_median_ms']:8.3f} "
                   f"{r['tok_per_s']:8.0f} {r['device_busy']:11.1%}", flush=True)
-    try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=HERE).stdout.strip()
-    except OSError:
-        git = ""
-    res = {"rows": rows, "git": git, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu_count": os.cpu_count()}
+    res = {"rows": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu_count": os.cpu_count()}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
     return 0
 
 

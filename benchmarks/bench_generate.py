@@ -35,6 +35,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO, "benchmarks", "configs")
 MARK = "GENRESULT "
@@ -179,14 +182,6 @@ def _run_worker(args, phase: str, cache_dir: str) -> dict:
     return {"phase": phase, "error": f"worker exit {p.returncode}", "stderr_tail": p.stderr[-3000:]}
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO, timeout=10).stdout.strip() or os.environ.get("TBJAX_GIT_COMMIT", "?")
-    except Exception:  # noqa: BLE001
-        return os.environ.get("TBJAX_GIT_COMMIT", "?")
-
-
 def table(res: dict) -> str:
     lines = [f"bench_generate: source={res['source']} dtype={res.get('weights_dtype')} backend={res.get('backend')} "
              f"device={res.get('device')} prompt={res['prompt_len']} new={res['new_tokens']} commit={res['commit']}",
@@ -237,7 +232,7 @@ def main(argv=None) -> int:
     if args.source == "auto":
         args.source = "gguf" if _gguf_available() else "random"
     res = {"source": args.source, "dtype_arg": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-           "batches": args.batches, "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "batches": args.batches, "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory(prefix="tbjax_bench_cache_") as d:
         for phase in ("cold", "warm"):
             w = _run_worker(args, phase, d)

@@ -39,6 +39,9 @@ import traceback
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -414,8 +417,7 @@ def main():
 
     def save():
         if a.out:     # partial results survive a timeout
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
+            write_json(a.out, res)
 
     def make_pages(shape, n):
         B = 1 << (n - 1).bit_length()

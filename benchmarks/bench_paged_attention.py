@@ -36,6 +36,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 TORCH_COPY = r"""
@@ -97,8 +100,7 @@ def main():
 
   def save():
     progress[0] = time.time()
-    with open(args.out, "w") as f:
-      json.dump(res, f, indent=1, default=str)
+    write_json(args.out, res)
 
   if args.watchdog > 0:
     import threading

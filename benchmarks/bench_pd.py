@@ -18,6 +18,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -154,8 +157,7 @@ def main():
                 p.kill()
                 p.wait()
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+            write_json(a.out, {"args": vars(a), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -110,8 +113,7 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         outs.append(os.path.join(os.environ["OUT"], "bench_prefill_pipeline.json"))
     for p in outs:
-        with open(p, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(p, res)
     return 0
 
 

@@ -31,6 +31,9 @@ import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit, write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MARK = "READYRESULT "
@@ -228,15 +231,14 @@ def main(argv=None) -> int:
         engine_worker(args)
         return 0
     sys.path.insert(0, REPO)
-    res = {"commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "results": []}
+    res = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "results": []}
     outs = [args.out] if args.out else []
     if os.environ.get("OUT"):
         outs.append(os.path.join(os.environ["OUT"], "bench_ready.json"))
 
     def save():
         for p in outs:
-            with open(p, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            write_json(p, res)
 
     sections = args.sections.split(",")
     if "engine" in sections:
@@ -268,14 +270,6 @@ def main(argv=None) -> int:
                   f"out tok/s, compiles during: {p.get('compiles_during')}, ttft {p.get('ttft_s')}")
     save()
     return 0
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO).stdout.strip() or os.environ.get("TBJAX_COMMIT", "unknown")
-    except Exception:  # noqa: BLE001
-        return os.environ.get("TBJAX_COMMIT", "unknown")
 
 
 if __name__ == "__main__":

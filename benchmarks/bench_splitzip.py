@@ -20,6 +20,9 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
@@ -94,12 +97,11 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "mib": args.mib,
-           "git_commit": os.environ.get("GIT_COMMIT", "?"), "date": time.strftime("%Y-%m-%d"),
+           "date": time.strftime("%Y-%m-%d"),
            "chunk": args.chunk, "paper": PAPER, "goal": GOAL, "rows": [], "checks": {}, "errors": {}}
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
 
     n = args.mib * (1 << 20) // 2
     nbytes = 2 * n

@@ -8,6 +8,11 @@ import argparse
 import json
 
 import numpy as np
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,",
            "The three laws of thermodynamics are", "List five fruits:", "In 1969, the first humans"]
@@ -44,8 +49,7 @@ def main():
         print(f"| {r['kv']} | {r['leading_tokens_equal']} | {r['mean_equal']:.1f} | "
               f"{r['first_token_top5_mean_abs_dlogprob']:.4f} / {r['first_token_top5_max_abs_dlogprob']:.4f} |")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(a.out, rows)
 
 
 if __name__ == "__main__":

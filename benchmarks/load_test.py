@@ -43,6 +43,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -275,14 +278,6 @@ def print_table(summary: dict, title: str) -> None:
             continue
         print(f"{key[:-2]:<12}" + "".join(f"{p[k] * 1e3:>10.2f}" for k in ("mean", "p50", "p90", "p99", "max"))
               + f"{p['n']:>8}")
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -520,7 +515,7 @@ def main(argv=None) -> dict:
         warm = make_workload(a.warmup, a.prompt_len, a.output_len, vocab, ctx, float("inf"), a.seed + 1) if a.warmup else []
     runs = {}
     report = {"config": {k: (str(v) if isinstance(v, Dist) else v) for k, v in vars(a).items()},
-              "git_commit": _git_commit(), "host": platform.node(), "python": platform.python_version()}
+              "commit": git_commit(), "host": platform.node(), "python": platform.python_version()}
 
     kept = {}   # --engine-process: the one server (and engine child) of every gRPC pass
 

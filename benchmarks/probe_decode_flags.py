@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 VARIANTS = {
@@ -78,8 +81,7 @@ def main(argv=None) -> int:
         for row in rows:
             print("   ", json.dumps({k: x for k, x in row.items() if k != "profile"}), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
     return 0
 
 

@@ -17,6 +17,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MARK = "PROBE "
@@ -113,8 +116,7 @@ def main(argv=None):
         if "error" in v:
             print(f"{name}: error {v['error'][-500:]}", flush=True)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
     return 0
 
 

@@ -16,6 +16,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
@@ -129,8 +132,7 @@ def main():
     res["per_request"] = measure([[a for kv in pl for a in kv] for pl in ev], cb, args.chunk)
     res["per_layer"] = measure([[k, v] for pl in ev for k, v in pl], cb, args.chunk)
     res["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     print(json.dumps(res, indent=1))
 
 

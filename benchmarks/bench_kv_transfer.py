@@ -45,6 +45,7 @@ from bench_common import write_json  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from pallas_kernels.utils import next_pow2  # noqa: E402
 
 PAGE_SHAPE = (30, 16, 6, 64)      # SmolLM2-135M: 30 layers x [page 16, 2 x 3 kv heads, head 64]
 LAYOUTS = {"smollm2-135m": PAGE_SHAPE,
@@ -420,7 +421,7 @@ def main():
             write_json(a.out, res)
 
     def make_pages(shape, n):
-        B = 1 << (n - 1).bit_length()
+        B = next_pow2(n)
         x = (jax.random.normal(jax.random.key(n), (B, *shape), jnp.float32) * 0.5).astype(jnp.bfloat16)
         x.block_until_ready()
         return x

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import numbers
 
-import jax
-
 
 def round_up(n: int, m: int) -> int:
     """The smallest multiple of m that is >= n (m > 0)."""
@@ -47,6 +45,8 @@ def check_int(what: str, v, lo: int | None = None, hi: int | None = None, exc: t
 def device_sm_count(default: int = 132) -> int:
     """Streaming multiprocessors of the first device when it is a GPU, else `default` (the H100/H200 count)."""
     try:
+        import jax
+
         dev = jax.devices()[0]
         if dev.platform == "gpu":
             return int(getattr(dev, "core_count", default) or default)

@@ -47,6 +47,8 @@ import grpc
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pallas_kernels.utils import is_int
+
 from .api import pb
 from .engine_loop import EngineStopped
 from .limits import RequestError, build_params, check_sampling, check_text_bytes, shown, token_ids_in_vocab
@@ -113,10 +115,6 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -127,7 +125,7 @@ def _get_int(body: dict, key: str) -> int | None:
         return None
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    if not _is_int(v):
+    if not is_int(v):
         raise _bad(f"{key} must be an integer, got {shown(v)}", key)
     return v
 
@@ -236,7 +234,7 @@ def _sampling_message(body: dict, max_tokens: int | None, logprobs: int | None, 
         sp.stop.extend(stops)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        if not isinstance(ids, list) or not all(is_int(i) for i in ids):
             raise _bad(f"stop_token_ids must be a list of integers, got {shown(ids)}", "stop_token_ids")
         try:
             sp.stop_token_ids.extend(ids)
@@ -284,11 +282,11 @@ def _prompt_list(prompt) -> list:
     if isinstance(prompt, list):
         if not prompt:
             raise _bad("prompt is an empty list", "prompt")
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
             return list(prompt)
     raise _bad("prompt must be a string, a list of token ids, or a list of strings or of token-id lists", "prompt")
 

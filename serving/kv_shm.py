@@ -44,6 +44,8 @@ from typing import Callable
 
 import numpy as np
 
+from pallas_kernels.utils import round_up
+
 __all__ = ["host_id", "sweep_stale", "Regions", "ShmArena", "IpcArena", "ipc_capable", "open_ipc", "copy_to_ipc", "ShmMapping", "HostCopier", "NumpyCopier", "CupyCopier", "JaxPinnedCopier",
            "make_copier", "COPIERS", "Landing", "start_copy_to_ipc"]
 
@@ -143,7 +145,7 @@ class Regions:
         return len(self._used)
 
     def alloc(self, nbytes: int) -> int | None:
-        n = _round(max(nbytes, 1))
+        n = round_up(max(nbytes, 1), ALIGN)
         with self._lock:
             for i, (off, size) in enumerate(self._free):
                 if size >= n:
@@ -179,7 +181,7 @@ class ShmArena(Regions):
         if size < ALIGN:
             raise ValueError(f"shared-memory arena of {size} bytes is too small (>= {ALIGN})")
         sweep_stale(prefix)
-        self.seg = ShmMapping(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}", _round(size), create=True)
+        self.seg = ShmMapping(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}", round_up(size, ALIGN), create=True)
         super().__init__(self.seg.size)
         atexit.register(self.close)
 
@@ -202,7 +204,7 @@ class IpcArena(Regions):
 
         self.cp, self.device = cupy, device
         self.hw = device.local_hardware_id if device.local_hardware_id is not None else device.id
-        size = _round(size)
+        size = round_up(size, ALIGN)
         with cupy.cuda.Device(self.hw):
             self.ptr = cupy.cuda.runtime.malloc(size)
             self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -339,10 +341,6 @@ def sweep_stale(prefix: str = "tbjax-kv") -> list[str]:
         except (PermissionError, OverflowError):
             pass
     return gone
-
-
-def _round(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 # -- copiers ---------------------------------------------------------------------------------------------------

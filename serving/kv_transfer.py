@@ -49,6 +49,8 @@ from typing import Callable, Protocol, Sequence
 import grpc
 import numpy as np
 
+from pallas_kernels.utils import next_pow2, prev_pow2
+
 from . import kv_shm
 from .api import lenient_deserializer
 from .proto import tbjax_kv_v1_pb2 as kvpb
@@ -739,10 +741,10 @@ class KVSender:
         ``chunk_pages``."""
         n = pages.shape[0] if n is None else int(n)
         if ipc:
-            return _pow2_ceil(n)
+            return next_pow2(n)
         row_bytes = int(np.prod(pages.shape[1:])) * np.dtype(pages.dtype).itemsize
         want = min(self.fast_chunk_bytes, max(self.fast_min_chunk_bytes, n * row_bytes // max(self.fast_chunks, 1)))
-        return max(self.chunk_pages, _pow2_floor(max(1, want // max(row_bytes, 1))))
+        return max(self.chunk_pages, prev_pow2(max(1, want // max(row_bytes, 1))))
 
     async def _fast_chunks(self, ann, pages, scales, n: int, c: int, sums: list[int], start, in_ipc: bool):
         """Chunks through a granted same-host region. All copies are queued first (``start(first, m, region offset)``
@@ -902,14 +904,6 @@ async def _drain(request_iterator, timeout_s: float) -> None:
         await asyncio.wait_for(rest(), timeout_s)
     except Exception:  # noqa: BLE001 - the stream may already be broken or cancelled: nothing left to drain
         pass
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (int(n).bit_length() - 1)
 
 
 def _start_checksums(pages, n: int, chunk_sizes) -> dict:

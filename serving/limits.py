@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import grpc
 
+from pallas_kernels.utils import check_int
+
 __all__ = ["Limits", "RequestError", "CheckedRequest", "check_generate", "check_tokenize", "token_ids_in_vocab",
            "shown", "check_request_id", "check_text_bytes"]
 
@@ -75,9 +77,7 @@ class Limits:
         for name in ("max_tokens", "default_max_tokens", "max_concurrent_requests", "max_queued_requests",
                      "max_message_bytes", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
                      "max_chat_messages", "max_request_id_bytes", "max_tokenize_concurrency"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Limits.{name} must be an int >= 1, got {v!r}")
+            check_int(f"Limits.{name}", getattr(self, name), lo=1)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"Limits.max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)

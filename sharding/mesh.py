@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from pallas_kernels.utils import is_int
+
 AXES = ("dp", "ep", "tp", "pp")
 
 
@@ -37,7 +39,7 @@ def make_mesh(dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1, devices: Seque
     """
     sizes = dict(dp=dp, ep=ep, tp=tp, pp=pp)
     for name, n in sizes.items():
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        if not is_int(n, numpy=True) or n < 1:
             raise MeshMismatch(f"mesh axis {name!r} must be a positive integer, got {n!r}")
     need = dp * ep * tp * pp
     devs = list(jax.devices() if devices is None else devices)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from pallas_kernels.utils import next_pow2
 from tbjax.model import forward_dense, init_params
 from tbjax.spec import ModelSpec, RopeSpec
 from tbjax.tokenizer import TextTokenizer
@@ -40,7 +41,7 @@ def reference_greedy(spec, params, prompt, n):
     f = _dense_fn(spec)
     ids = list(prompt)
     for _ in range(n):
-        L = 128 if len(ids) <= 128 else 1 << (len(ids) - 1).bit_length()
+        L = next_pow2(len(ids), lo=128)
         padded = np.zeros(L, np.int32)
         padded[:len(ids)] = ids   # causal: padding after the last token changes nothing before it
         lg = f(params, jnp.asarray(padded))

@@ -2,7 +2,7 @@
 # Regenerates the Python gRPC code for serving/proto/*.proto (tbjax_v1: the public API; tbjax_kv_v1: KV transfer
 # between workers).
 #   scripts/gen_proto.sh            writes next to the .proto files (commit the result)
-#   scripts/gen_proto.sh OUT_DIR    writes into OUT_DIR/serving/proto/ (used by tests/test_grpc_proto.py)
+#   scripts/gen_proto.sh OUT_DIR    writes into OUT_DIR/serving/proto/ (used by tests/serving/test_grpc_proto.py)
 # Pinned generator: grpcio-tools 1.85.1 (its protoc is libprotoc 35.1). Code it generates needs, at import,
 # grpcio >= 1.85.1 and protobuf >= 7.35.1 (pyproject.toml pins both). Use the project venv's Python.
 set -euo pipefail

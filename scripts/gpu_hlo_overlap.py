@@ -1,7 +1,7 @@
 """Compile the ENGINE's step program (tbjax.engine.runner.ModelRunner, one shard_map per token bucket) on an 8-GPU
 sm_90 target WITHOUT a GPU and report, from the schedule of the optimized HLO's entry computation, how each layer's
 DP-sharded attention-weight gather is placed relative to the attention of the layer before it (used by
-tests/test_sharding_hlo.py; runnable by hand).
+tests/sharding/test_sharding_hlo.py; runnable by hand).
 
 Needs the CUDA 12 PJRT plugin importable (it is NOT a dependency of tbjax):
     pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2

@@ -12,9 +12,9 @@ warm-up, and it and the forward stall the engine's batch meanwhile; the forward'
 x 4 bytes of device memory.
 
 An engine with a ``prompt_logprobs(token_ids, k)`` method (the test double, serving/fake_engine.py) answers for
-itself. Stacked and per-layer weight buffers, and decode meshes, are covered (tests/test_http_prompt_logprobs.py); an
-engine without weights, or one whose forward fails (a layout not covered), raises ``PromptLogprobsUnavailable``
-naming why, and the HTTP front end answers 400 with it.
+itself. Stacked and per-layer weight buffers, and decode meshes, are covered
+(tests/serving/test_http_prompt_logprobs.py); an engine without weights, or one whose forward fails (a layout not
+covered), raises ``PromptLogprobsUnavailable`` naming why, and the HTTP front end answers 400 with it.
 """
 from __future__ import annotations
 

@@ -666,7 +666,7 @@ def quantize_q_rows(q_SNH):
 
   s = max|q_row| / 448 (1 for an all-zero row), q8 = round-to-nearest-even(q / s) in e4m3fn. The e4m3 rounding
   (3 mantissa bits: relative error <= 2^-4 per element) is the accuracy cost of FP8_QK; the kernel's result
-  equals the fp8-aware reference evaluated at q8 * s (tests/test_paged_attention_gpu.py).
+  equals the fp8-aware reference evaluated at q8 * s (tests/kernels/test_paged_attention_gpu.py).
   Returns (q8 [S, N, H] float8_e4m3fn, s [S, N] float32).
   """
   q = q_SNH.astype(jnp.float32)

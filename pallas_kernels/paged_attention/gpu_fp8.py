@@ -32,7 +32,7 @@ chain (QK wgmma -> softmax -> PV wgmma at M=64 rows of which 4-8 are used), not 
 fp8_compute_wgs=2 (opt-in, not measured on a GPU) tests that hypothesis:
 two compute warpgroups take alternate steps (steps i % 2 == c), each with its own acc/m/l, and each writes its
 own split-K partial (so the existing combine merges them); one converter feeds both. Checked in the GPU
-interpreter with its race detector and lowered for cuda (tests/test_paged_attention_gpu.py).
+interpreter with its race detector and lowered for cuda (tests/kernels/test_paged_attention_gpu.py).
 
 fp8_qk=True (cfg.qk8; opt-in, gpu.FP8_QK, not measured on a GPU) removes half of the conversion: Mosaic GPU's wgmma
 takes e4m3/e5m2 operands with f32 accumulation when both are K-major, which q [rows, H] and a K page [tokens, H]

@@ -212,8 +212,8 @@ def xla_options(layout: DecodeLayout) -> dict:
     """Per-program XLA options. With all-gather prefetch, XLA's GPU all-gather combiner merges independent
     gathers: the next layer's weights with the MoE token gather (moving the prefetch onto the critical path), or,
     with all-to-all expert dispatch, every layer's weight gather into one synchronous gather at the start.
-    Disabling the combiner for this program keeps them apart (tests/test_sharding_hlo.py). The option is a GPU one;
-    other backends ignore it."""
+    Disabling the combiner for this program keeps them apart (tests/sharding/test_sharding_hlo.py). The option is a
+    GPU one; other backends ignore it."""
     if layout.attn_axes and layout.attn_gather == "all_gather":
         return {"xla_gpu_all_gather_combine_threshold_bytes": 0}
     if layout.attn_axes and layout.attn_gather == "ppermute":     # keep each layer's ring steps apart

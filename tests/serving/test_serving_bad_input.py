@@ -1,6 +1,6 @@
 """Bad requests over real gRPC: each gets its own status and a message naming the problem, and the server
 keeps serving after each (a good request right after returns the right tokens). Runs against the fake
-engine (fast); tests/test_serving_e2e.py repeats the table against the real default model."""
+engine (fast); tests/serving/test_serving_e2e.py repeats the table against the real default model."""
 import grpc
 import pytest
 

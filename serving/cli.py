@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--page-size", type=int, default=None)
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--kv-dtype", default=None)
+    eng.add_argument("--weight-dtype", default=None, choices=["auto", "bf16", "float32", "fp8", "int8", "int4"],
+                     help="resident weight format: auto = the checkpoint's own quantization (GGUF Q4/Q8 as int4/int8, "
+                          "fp8 block-scaled safetensors as fp8; the default), bf16/float32 = dequantized at load, "
+                          "int8/int4/fp8 = converted at load")
     eng.add_argument("--layer-buffers", default=None, choices=["stacked", "split", "auto"],
                      help="engine weight layout: split = per-layer buffers (XLA compiles a step several times faster)")
     eng.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -151,7 +155,7 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                             ("num_pages", a.num_pages), ("page_size", a.page_size),
                             ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
                             ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling),
-                            ("mesh", a.mesh))
+                            ("mesh", a.mesh), ("weight_dtype", a.weight_dtype))
           if v is not None}
     lay = {k: v for k, v in (("attn_gather", a.attn_gather), ("attn_wire", a.attn_wire), ("ep_mode", a.ep_mode))
            if v is not None}
@@ -220,6 +224,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
         return _pipeline_models(a, engine_kw)
     if a.model == "synthetic":    # SmolLM2-135M shapes, random weights (benchmarks where the model file is absent)
         from .synthetic import synthetic_served_model
+        engine_kw = {k: v for k, v in engine_kw.items() if k != "weight_dtype"}
         if a.role == "split":
             return tuple(synthetic_served_model(device=dev, **engine_kw) for dev in split_devices())
         return synthetic_served_model(**engine_kw)
@@ -250,6 +255,7 @@ def _pipeline_models(a: argparse.Namespace, engine_kw: dict):
 def _pipeline_models_on(a, engine_kw, devs, pipe_devs):
     if a.model == "synthetic":
         from .synthetic import synthetic_served_model
+        engine_kw = {k: v for k, v in engine_kw.items() if k != "weight_dtype"}    # random bf16 weights
         pre = synthetic_served_model(pipeline_devices=pipe_devs, **engine_kw)
         if a.role != "split":
             return pre
@@ -258,8 +264,10 @@ def _pipeline_models_on(a, engine_kw, devs, pipe_devs):
     from tbjax.weights import load_model
     from .model import pipeline_served_model
     name = a.served_model_name or model_name_for_path(a.model)
-    spec, params, tok = load_model(a.model, progress=False)
-    pre = pipeline_served_model(spec, params, tok, pipe_devs, name=name, **engine_kw)
+    wd = engine_kw.get("weight_dtype")
+    spec, params, tok = load_model(a.model, progress=False, weight_dtype=wd)
+    pre = pipeline_served_model(spec, params, tok, pipe_devs, name=name,
+                                **{k: v for k, v in engine_kw.items() if k != "weight_dtype"})
     if a.role != "split":
         return pre
     defaults = _generation_defaults(a)

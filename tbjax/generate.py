@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+    ap.add_argument("--weight-dtype", default=None, choices=["auto", "bf16", "float32", "fp8", "int8", "int4"],
+                    help="resident weight format: auto = the checkpoint's own quantization (default unless --dtype is "
+                         "given), bf16/float32 = dequantized at load, int8/int4/fp8 = converted at load")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from free device memory)")
@@ -40,7 +43,8 @@ def main(argv=None) -> int:
         import dataclasses
         dataclasses.replace(params).validate()       # bad flags fail before the model loads
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+        llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+                  max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, progress=False,
                   generation_config=args.generation_config)
         t1 = time.perf_counter()

@@ -49,14 +49,20 @@ class LLM:
     generation_config.json, GGUF sampling metadata, or for the default model its card's temperature 0.2 / top_p 0.9:
     ``tbjax.weights.generation_config``), "none" uses the library's, a path reads that generation_config.json; a
     ``GenerationDefaults`` is used as it is. Whatever a ``SamplingParams`` sets explicitly wins; its unset (None)
-    fields take these defaults. The config's eos ids also end generations."""
+    fields take these defaults. The config's eos ids also end generations.
+
+    ``weight_dtype`` (``tbjax.weights.load_model``): the resident weight format, "auto" (the checkpoint's own
+    quantization: the default model stays Q4_1/Q8_0 as int4/int8, ~100 MB), "bf16", "float32", "int8", "int4" or
+    "fp8". Default: "auto", or float weights of ``dtype`` when a dtype is given."""
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, engine_config: EngineConfig | None = None,
-                 progress: bool = True, warmup: bool | None = None, generation_config="auto", **engine_kw):
+                 progress: bool = True, warmup: bool | None = None, generation_config="auto",
+                 weight_dtype: str | None = None, **engine_kw):
         from tbjax.weights import load_model
 
         compile_cache.enable()
-        self.spec, params, self.tokenizer = load_model(model, dtype=dtype, progress=progress)
+        self.spec, params, self.tokenizer = load_model(model, dtype=dtype, progress=progress,
+                                                       weight_dtype=weight_dtype)
         self._set_defaults(_generation_defaults(generation_config, model))
         cfg = engine_config or EngineConfig(**engine_kw)
         self.engine = Engine(self.spec, params, self.tokenizer, cfg)

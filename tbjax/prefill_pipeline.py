@@ -35,6 +35,7 @@ from tbjax.engine.kv_cache import KVCacheConfig, init_kv_cache
 from tbjax.model import layers as ly
 from tbjax.model.params import group_shapes
 from tbjax.model.transformer import layer_plan, lm_logits, run_layers
+from tbjax.model.quant import take_rows
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 ROUTED_EXPERT_PARAMS = ("we_gate", "we_up", "we_down")
@@ -134,7 +135,7 @@ def _stage_step(stage_params, x_or_tokens, positions_T, start, kv_bufs, *, spec:
                 last: bool, last_row):
     """One chunk through one stage. Returns (hidden_TD or logits of `last_row`, updated K/V buffers)."""
     scale = rope_attention_scale(spec)
-    x = jnp.take(stage_params["embed"], x_or_tokens, axis=0) if first else x_or_tokens
+    x = take_rows(stage_params["embed"], x_or_tokens) if first else x_or_tokens
     cos, sin = ly.rope_cos_sin(positions_T, spec.rope)
 
     def attend(layer, q, k, v, cache):

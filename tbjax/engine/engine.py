@@ -33,6 +33,7 @@ from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, pages_for_budge
 from tbjax.engine.kv_pages import gather_pages, gather_pages_stacked, scatter_pages, scatter_pages_stacked
 from tbjax.engine.request import FinishReason, Sequence
 from tbjax.engine.runner import ModelRunner
+from tbjax.model.quant import params_dtype
 from tbjax.engine.scheduler import KVReservationError, RequestTooLarge, Scheduler, SchedulerConfig
 from tbjax.sampling import SamplingParams
 from tbjax.spec import ModelSpec
@@ -143,7 +144,7 @@ class Engine:
         self.spec, self.params, self.tokenizer, self.config = spec, params, tokenizer, config
         max_len = min(config.max_model_len or spec.max_position, spec.max_position)
         if config.kv_dtype == "auto":
-            config = dataclasses.replace(config, kv_dtype=str(jax.tree.leaves(params)[0].dtype))
+            config = dataclasses.replace(config, kv_dtype=params_dtype(params))   # quantized weights: their compute dtype
             self.config = config
         self.max_model_len = max_len
         max_pages_per_seq = -(-max_len // config.page_size)

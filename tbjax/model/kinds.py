@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from tbjax.model import layers as ly
 from tbjax.model.linear import linear, swiglu
+from tbjax.model.quant import QuantizedWeight
 from tbjax.spec import ModelSpec
 
 
@@ -131,7 +132,7 @@ def fold_norms(spec: ModelSpec, params):
             n, m = gp[norm], gp[w]
             pairs = list(zip(n, m)) if isinstance(m, (list, tuple)) else [(n, m)]
             for a, b in pairs:
-                if not jnp.issubdtype(b.dtype, jnp.floating):
+                if isinstance(b, QuantizedWeight) or not jnp.issubdtype(b.dtype, jnp.floating):
                     raise TypeError(f"{g.name}.{w}: cannot fold a norm into {b.dtype} weights")
                 if tuple(b.shape[:a.ndim]) != tuple(a.shape):
                     raise ValueError(f"{g.name}: {norm} {tuple(a.shape)} does not match the input axis of {w} "

@@ -10,6 +10,20 @@ multiplies: it asks `linear(p, "w_qkv", x)` and `p` decides.
   * a `LayerParams` view over the group's stacks + a layer index + a kernel impl (decode steps): the kernel
     dispatcher (`decode_matmul`) for the shapes the kernel takes, XLA dots for the others.
 Both accumulate in float32; results are cast to the activations' dtype unless `out_dtype` says otherwise.
+
+A weight may be a `QuantizedWeight` (tbjax/model/quant.py: int8 / int4 / fp8 resident in its stored precision).
+`matmul` is the one dispatcher for every dense projection of the model (layer kinds, MoE shared experts, MLA, the
+head): float weights take XLA's dot; quantized ones
+  * fp8 with 128 x 128 block scales on a `LayerParams` view in a decode step: the decode kernel's fp8 path (it reads
+    codes and scales of the layer in place);
+  * int8 / int4 on CPU at decode token counts (<= cpu_qgemv.MAX_T): the CPU custom call (tbjax/model/cpu_qgemv.py),
+    which streams the codes once and accumulates in float32 (XLA's dequantize + dot writes and re-reads a bf16
+    copy of the weight: slower than the bf16 model);
+  * otherwise `dequant_dot`: the weight dequantized inside the program to the compute dtype (XLA fuses the
+    dequantization into one loop over the codes) and XLA's dot with float32 accumulation. With bf16 compute that
+    is the bf16 model's own arithmetic (the weights a bf16 load would hold, bf16(q * scale + zero)), so the
+    quantized and the float model give the same logits; only the resident bytes differ.
+`matmul_reference` (dequantize in float32, float32 dot) defines the result; tests compare every path against it.
 """
 from __future__ import annotations
 
@@ -21,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.matmul import decode_matmul, kernel_unsupported_reason
+from tbjax.model import cpu_qgemv
+from tbjax.model.quant import QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +65,11 @@ class LayerParams(Mapping):
         the group's stack, or this layer's own buffer seen as a stack of one (per-layer buffers)."""
         w = self.stacks[name]
         if isinstance(w, (list, tuple)):
-            return w[self.layer][None], 0
+            w = w[self.layer]
+            if isinstance(w, QuantizedWeight):
+                return QuantizedWeight(w.q[None], w.scale[None], None, fmt=w.fmt, block=(1, *w.block),
+                                       shape=(1, *w.shape), dtype=w.dtype), 0
+            return w[None], 0
         return w, self.layer
 
     def __contains__(self, name):
@@ -69,25 +89,83 @@ def layer_params(stacks: Mapping, layer: int, kernel_impl: str | None):
     return LayerParams(stacks, layer, kernel_impl)
 
 
+def _kernel_fp8(w) -> bool:
+    """An fp8 weight in the kernel's layout: [D, F] (or stacked [L, D, F]) codes with [ceil(D/128), ceil(F/128)]
+    (stacked: [L, ...]) block scales."""
+    return isinstance(w, QuantizedWeight) and w.fmt == "fp8" and w.zero is None and (
+        (w.ndim == 3 and w.block == (1, 128, 128)) or (w.ndim == 2 and w.block == (128, 128)))
+
+
+def _kernel_operands(w):
+    """(codes or bf16 weight, its block scales or None) as the kernel takes them."""
+    return (w.q, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
+
+
 def _kernel_ok(p, x_TD, *names) -> bool:
-    """Whether these projections go to the kernel: a LayerParams view, bf16 operands, shapes the kernel takes.
-    Anything else uses XLA dots (never the slow float32 reference the kernel dispatcher would fall back to).
-    Stacks of more than 3 dims ([L, D, 2, F] gate/up) are seen as [L, D, prod(rest)]."""
+    """Whether these projections go to the kernel: a LayerParams view, bf16 operands (or fp8 block-scaled weights),
+    shapes the kernel takes. Anything else uses XLA dots (never the slow float32 reference the kernel dispatcher would
+    fall back to). Stacks of more than 3 dims ([L, D, 2, F] gate/up) are seen as [L, D, prod(rest)] (bf16 only)."""
     if not (isinstance(p, LayerParams) and x_TD.shape[0] <= KERNEL_MAX_T and x_TD.dtype == jnp.bfloat16):
         return False
     ws = [p.stacked(n)[0] for n in names]
+    if any(isinstance(w, QuantizedWeight) for w in ws):
+        if not all(_kernel_fp8(w) for w in ws):
+            return False
+        return kernel_takes(x_TD, *ws)
     return kernel_takes(x_TD, *[jax.ShapeDtypeStruct((*w.shape[:2], int(np.prod(w.shape[2:]))), w.dtype)
                                 if w.ndim > 3 else w for w in ws])
 
 
 def kernel_takes(x_TD, *ws) -> bool:
-    """bf16 weights the kernel can stream in one launch against x (else the caller uses XLA dots)."""
-    if x_TD.dtype != jnp.bfloat16 or x_TD.shape[0] > KERNEL_MAX_T or any(w.dtype != jnp.bfloat16 for w in ws):
+    """bf16 weights (or fp8 weights with 128 x 128 block scales) the kernel can stream in one launch against x (else
+    the caller uses XLA dots)."""
+    if x_TD.dtype != jnp.bfloat16 or x_TD.shape[0] > KERNEL_MAX_T:
         return False
-    why = kernel_unsupported_reason(x_TD, ws)
+    if any(not (_kernel_fp8(w) or (not isinstance(w, QuantizedWeight) and w.dtype == jnp.bfloat16)) for w in ws):
+        return False
+    ops = [_kernel_operands(w) for w in ws]
+    why = kernel_unsupported_reason(x_TD, [o[0] for o in ops], [o[1] for o in ops])
     if why is not None:
         log.info("decode projection of %s uses XLA dots: %s", [tuple(w.shape) for w in ws], why)
     return why is None
+
+
+def matmul_reference(x_TD, w, out_dtype=None):
+    """The definition: x (float32) @ the weight dequantized in float32, float32 accumulation. w is [D, ...]
+    (contracting its first axis); returns [T, ...] in out_dtype (default x's dtype)."""
+    out_dtype = out_dtype or x_TD.dtype
+    wf = dequantize(w, jnp.float32)
+    y = jnp.dot(x_TD.astype(jnp.float32), wf.reshape(wf.shape[0], -1), preferred_element_type=jnp.float32,
+                precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(x_TD.shape[0], *wf.shape[1:]).astype(out_dtype)
+
+
+def dequant_dot(x_TD, w: QuantizedWeight, out_dtype=None):
+    """x @ w for a quantized [D, ...] weight through XLA: dequantized to the compute dtype inside the program
+    (float32 math, rounded once), then XLA's dot with float32 accumulation."""
+    out_dtype = out_dtype or x_TD.dtype
+    wd = dequantize(w, x_TD.dtype)
+    y = jnp.dot(x_TD, wd.reshape(wd.shape[0], -1), preferred_element_type=jnp.float32)
+    return y.reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)
+
+
+def matmul(x_TD, w, out_dtype=None):
+    """x [T, D] @ w [D, ...] (float or QuantizedWeight) with float32 accumulation, in out_dtype (default x's)."""
+    out_dtype = out_dtype or x_TD.dtype
+    if isinstance(w, QuantizedWeight):
+        if cpu_qgemv.takes_cols(x_TD, w):
+            return cpu_qgemv.qgemv_cols(x_TD, w).reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)
+        return dequant_dot(x_TD, w, out_dtype)
+    if w.ndim > 2:
+        y = jnp.dot(x_TD, w.reshape(w.shape[0], -1), preferred_element_type=jnp.float32)
+        return y.reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)
+    return jnp.dot(x_TD, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def kernel_matmul(x_TD, w_LDF, layer, impl, out_dtype):
+    """The decode kernel on a bf16 weight or on an fp8 one's codes and block scales (layer: index into a stack)."""
+    q, s = _kernel_operands(w_LDF)
+    return decode_matmul(x_TD, q, w_scale=s, layer=layer, impl=impl, out_dtype=out_dtype)
 
 
 def linear(p, name: str, x_TD, out_dtype=None):
@@ -95,8 +173,8 @@ def linear(p, name: str, x_TD, out_dtype=None):
     out_dtype = out_dtype or x_TD.dtype
     if _kernel_ok(p, x_TD, name):
         w_LDF, layer = p.stacked(name)
-        return decode_matmul(x_TD, w_LDF, layer=layer, impl=p.impl, out_dtype=out_dtype)
-    return jnp.dot(x_TD, p[name], preferred_element_type=jnp.float32).astype(out_dtype)
+        return kernel_matmul(x_TD, w_LDF, layer, p.impl, out_dtype)
+    return matmul(x_TD, p[name], out_dtype)
 
 
 def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down", row_scale_T1=None):
@@ -111,7 +189,7 @@ def swiglu(p, x_TD, gate_up="w_gate_up", down="w_down", row_scale_T1=None):
     else:
         w_D2F = p[gate_up]
         D, _, F = w_D2F.shape
-        gu = jnp.dot(x_TD, w_D2F.reshape(D, 2 * F), preferred_element_type=jnp.float32)
+        gu = matmul(x_TD, w_D2F, jnp.float32).reshape(x_TD.shape[0], 2 * F)
     if row_scale_T1 is not None:
         gu = gu * row_scale_T1
     h = (jax.nn.silu(gu[:, :F]) * gu[:, F:]).astype(x_TD.dtype)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tbjax.model import layers as ly
+from tbjax.model.linear import matmul
+from tbjax.model.quant import dequantize
 from tbjax.spec import ModelSpec
 
 NORMS = ("attn_norm", "q_a_norm", "kv_a_norm")
@@ -70,7 +72,7 @@ def apply_rope_interleaved(x_TNR, cos_TR, sin_TR):
 
 
 def _mm(a, w):
-    return jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+    return matmul(a, w)
 
 
 def mla_project(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
@@ -93,7 +95,9 @@ def mla_project(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
 
 def _split_kvb(spec: ModelSpec, p):
     m = spec.mla
-    w = p["wkv_b"].reshape(m.kv_lora_rank, spec.n_heads, m.qk_nope_head_dim + m.v_head_dim)
+    # the absorbed projections slice wkv_b by head: a quantized one is dequantized here (one [R, N * (dn + dv)] matrix
+    # per layer; the latent einsums below are not plain [T, D] @ [D, F] products)
+    w = dequantize(p["wkv_b"]).reshape(m.kv_lora_rank, spec.n_heads, m.qk_nope_head_dim + m.v_head_dim)
     return w[..., :m.qk_nope_head_dim], w[..., m.qk_nope_head_dim:]     # W_uk [R, N, dn], W_uv [R, N, dv]
 
 
@@ -121,5 +125,5 @@ def mla_apply(spec: ModelSpec, p, x_TD, cos_TR, sin_TR, attend, layer, cache):
         pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, H - a.shape[-1])))  # noqa: E731
         o, cache = attend(layer, pad(q), pad(k), pad(v), cache)
         o = o[..., :dv]
-    out = jnp.dot(o.reshape(T, N * dv), p["w_o"], preferred_element_type=jnp.float32).astype(dt)
+    out = matmul(o.reshape(T, N * dv), p["w_o"])
     return out, cache

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from sharding import expert_parallel as xp
 from tbjax.model import layers as ly
+from tbjax.model.linear import matmul
+from tbjax.model.quant import dequantize
 from tbjax.spec import ModelSpec, MoESpec
 
 NORMS = ("mlp_norm",)
@@ -97,12 +99,15 @@ def moe_ffn(spec: ModelSpec, p, x_TD, ep: EPContext | None = None):
     cap = None
     if ep.mode == "all_to_all" and ep.expert_axes:
         cap = xp.capacity_for(x_TD.shape[0], m.top_k, jax.lax.axis_size(ep.expert_axes), ep.capacity_factor)
-    y, dropped = xp.moe_dispatch_combine(h, ids, w, (p["we_gate"], p["we_up"], p["we_down"]),
+    # jax.lax.ragged_dot takes float operands only: quantized routed experts (each device's own, [E_local, ...]) are
+    # dequantized here, inside the step, one layer at a time (resident in their format, transient in bf16)
+    experts = tuple(dequantize(p[k], h.dtype) for k in ("we_gate", "we_up", "we_down"))
+    y, dropped = xp.moe_dispatch_combine(h, ids, w, experts,
                                          n_experts=m.n_experts, axes=ep.expert_axes, mode=ep.mode, capacity=cap)
     if m.n_shared_experts:
-        g = jnp.dot(h, p["ws_gate"], preferred_element_type=jnp.float32)
-        u = jnp.dot(h, p["ws_up"], preferred_element_type=jnp.float32)
-        y = y + jnp.dot((jax.nn.silu(g) * u).astype(h.dtype), p["ws_down"], preferred_element_type=jnp.float32)
+        g = matmul(h, p["ws_gate"], jnp.float32)
+        u = matmul(h, p["ws_up"], jnp.float32)
+        y = y + matmul((jax.nn.silu(g) * u).astype(h.dtype), p["ws_down"], jnp.float32)
     stats = {"load_E": xp.expert_load(ids, m.n_experts, ep.batch_axes), "dropped": dropped}
     return y.astype(x_TD.dtype), stats
 

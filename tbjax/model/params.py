@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tbjax.model.kinds import ATTENTION_KINDS, FFN_KINDS, require_kind
+from tbjax.model.quant import QuantizedWeight
 from tbjax.spec import ModelSpec
 
 
@@ -60,5 +61,6 @@ def split_layer_buffers(params):
     L distinct fusions, each autotuned and compiled (a Llama-8B decode program takes ~40 s to compile on the H200).
     Per-layer buffers make the layers' fusions identical, so XLA compiles each once. Costs a copy of the group
     weights while the stacked originals are still referenced."""
-    groups = {g: {k: [v[i] for i in range(v.shape[0])] for k, v in gp.items()} for g, gp in params["groups"].items()}
+    groups = {g: {k: [v.take(i) if isinstance(v, QuantizedWeight) else v[i] for i in range(v.shape[0])]
+                  for k, v in gp.items()} for g, gp in params["groups"].items()}
     return {**params, "groups": groups}

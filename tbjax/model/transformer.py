@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from pallas_kernels.matmul import decode_matmul
 from sharding import packed as pk
 
-from tbjax.model import layers as ly
+from tbjax.model import cpu_qgemv, layers as ly
 from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
-from tbjax.model.linear import kernel_takes, layer_params
+from tbjax.model.linear import kernel_matmul, kernel_takes, layer_params, matmul
+from tbjax.model.quant import QuantizedWeight, take_rows
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 
@@ -100,19 +101,32 @@ def forward_hidden(params, spec: ModelSpec, tokens_T, positions_T, attend, cache
     kernel_impl: None => XLA dots; else the decode matmul kernel impl ("gpu", "reference", ...) that reads each
     layer's weights in place (tbjax/model/linear.py).
     """
-    x = jnp.take(params["embed"], tokens_T, axis=0)
+    x = take_rows(params["embed"], tokens_T)          # a quantized table dequantizes the gathered rows only
     cos, sin = ly.rope_cos_sin(positions_T, spec.rope)
     x, caches = run_layers(params, spec, x, cos, sin, attend, caches, kernel_impl=kernel_impl, ctx=ctx)
     return ly.rms_norm(x, params["final_norm"], spec.norm_eps), caches
 
 
 def lm_logits(params, spec: ModelSpec, h_TD, kernel_impl: str | None = None):
-    """float32 logits [T, V]. An untied lm_head [D, V] goes through the decode kernel when kernel_impl is set."""
+    """float32 logits [T, V]. An untied lm_head [D, V] goes through the decode kernel when kernel_impl is set; a
+    tied quantized embedding [V, D] is the head seen transposed (tied_logits)."""
     if kernel_impl is not None and not spec.tie_embeddings and kernel_takes(h_TD, params["lm_head"]):
+        if isinstance(params["lm_head"], QuantizedWeight):
+            return kernel_matmul(h_TD, params["lm_head"], None, kernel_impl, jnp.float32)
         return decode_matmul(h_TD, params["lm_head"], impl=kernel_impl, out_dtype=jnp.float32)
     if spec.tie_embeddings:
-        return jnp.einsum("td,vd->tv", h_TD, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.dot(h_TD, params["lm_head"], preferred_element_type=jnp.float32)
+        return tied_logits(h_TD, params["embed"])
+    return matmul(h_TD, params["lm_head"], jnp.float32)
+
+
+def tied_logits(h_TD, embed_VD):
+    """float32 h @ embed.T: a quantized table goes through the CPU custom call at decode token counts, else it is
+    dequantized to the compute dtype inside the program."""
+    if isinstance(embed_VD, QuantizedWeight):
+        if cpu_qgemv.takes_rows(h_TD, embed_VD):
+            return cpu_qgemv.qgemv_rows(h_TD, embed_VD)
+        embed_VD = embed_VD.dequantize(h_TD.dtype)
+    return jnp.einsum("td,vd->tv", h_TD, embed_VD, preferred_element_type=jnp.float32)
 
 
 def forward_dense(params, spec: ModelSpec, tokens_T, positions_T=None, segment_ids_T=None,

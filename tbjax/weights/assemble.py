@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from tbjax.model import quant as qz
 from tbjax.model.params import param_shapes
 from tbjax.spec import ModelSpec
 
@@ -66,7 +67,7 @@ def _moe_mla_param(spec: ModelSpec, get: Getter, name: str, i: int, where: str) 
         if name in ("we_gate", "we_up", "we_down"):
             proj = name[len("we_"):]
             shp = (D, F) if proj == "down" else (F, D)
-            return np.stack([_need(get, f"moe.expert.{e}.{proj}", i, shp, where).T for e in range(E)])
+            return qz.stack([_need(get, f"moe.expert.{e}.{proj}", i, shp, where).T for e in range(E)])
         if name in ("ws_gate", "ws_up", "ws_down"):
             proj = name[len("ws_"):]
             shp = (D, Fs) if proj == "down" else (Fs, D)
@@ -90,42 +91,60 @@ def _layer_param(spec: ModelSpec, get: Getter, name: str, i: int, where: str) ->
         q = _need(get, "q", i, (N * H, D), where)
         k = _need(get, "k", i, (K * H, D), where)
         v = _need(get, "v", i, (K * H, D), where)
-        return np.concatenate([q, k, v], axis=0).T
+        return qz.concat([q, k, v], axis=0).T
     if name == "b_qkv":
         return np.concatenate([_need(get, "q_bias", i, (N * H,), where), _need(get, "k_bias", i, (K * H,), where),
                                _need(get, "v_bias", i, (K * H,), where)])
     if name == "w_o":
         return _need(get, "o", i, (D, N * H), where).T
     if name == "w_gate_up":
-        return np.stack([_need(get, "gate", i, (F, D), where).T, _need(get, "up", i, (F, D), where).T], axis=1)
+        return qz.stack([_need(get, "gate", i, (F, D), where).T, _need(get, "up", i, (F, D), where).T], axis=1)
     if name == "w_down":
         return _need(get, "down", i, (D, F), where).T
     raise WeightLoadError(f"{where}: no loader mapping for parameter {name!r} ({spec.arch})")
 
 
-def assemble(spec: ModelSpec, get: Getter, dtype, where: str, progress: bool = True):
-    """Build the parameter tree (jax arrays of `dtype`) from a Getter."""
+def _place(name: str, a, dtype, weight_dtype: str):
+    """One stacked tree parameter on the device, in the resident format weight_dtype asks for (tbjax/model/quant.py):
+    "auto" keeps a source tensor's quantization (HostQuant) and float tensors float; "bf16"/"float32" makes every
+    tensor float; "int8"/"int4"/"fp8" converts every matrix (embedding and head too, except for fp8, where they
+    stay float as in DeepSeek's checkpoints) to that format."""
+    ax = qz.matrix_in_axis(name, a.ndim)
+    if weight_dtype in qz.FORMATS and ax is not None and not (weight_dtype == "fp8" and name in ("embed", "lm_head")):
+        h = qz.convert(a, weight_dtype, ax) if isinstance(a, qz.HostQuant) else qz.quantize(a, weight_dtype, ax)
+        return h.to_device(dtype)
+    if isinstance(a, qz.HostQuant):
+        if weight_dtype == "auto" and ax is not None:
+            return a.to_device(dtype)
+        a = a.dequantize()
+    return jnp.asarray(np.asarray(a, np.float32), dtype)
+
+
+def assemble(spec: ModelSpec, get: Getter, dtype, where: str, progress: bool = True, weight_dtype: str = "bf16"):
+    """Build the parameter tree from a Getter: float arrays of `dtype`, or QuantizedWeights computing in `dtype`
+    where the getter serves quantized tensors (HostQuant) or weight_dtype asks for a format (see _place)."""
     dtype = jnp.dtype(dtype)
+    weight_dtype = qz.check_weight_dtype(weight_dtype)
     shapes = param_shapes(spec, dtype)
     V, D = spec.vocab_size, spec.d_model
     total = 2 + (0 if spec.tie_embeddings else 1) + sum(len(v) for v in shapes["groups"].values())
     bar = tqdm(total=total, desc=f"loading {where.split('/')[-1]}", disable=not progress, unit="tensor")
 
-    def put(a):
+    def put(name, a):
         bar.update(1)
-        return jnp.asarray(np.asarray(a, np.float32), dtype)
+        return _place(name, a, dtype, weight_dtype)
 
-    params = {"embed": put(_need(get, "embed", None, (V, D), where)),
-              "final_norm": put(_need(get, "final_norm", None, (D,), where))}
+    params = {"embed": put("embed", _need(get, "embed", None, (V, D), where)),
+              "final_norm": put("final_norm", _need(get, "final_norm", None, (D,), where))}
     if not spec.tie_embeddings:
-        params["lm_head"] = put(_need(get, "lm_head", None, (V, D), where).T)
+        params["lm_head"] = put("lm_head", _need(get, "lm_head", None, (V, D), where).T)
     groups = {}
     for g in spec.layer_groups:
         gp = {}
         for name, shp in shapes["groups"][g.name].items():
-            stacked = np.stack([_layer_param(spec, get, name, i, where) for i in g.layers])
+            stacked = qz.stack([_layer_param(spec, get, name, i, where) for i in g.layers])
             assert stacked.shape == shp.shape, (name, stacked.shape, shp.shape)
-            gp[name] = put(stacked)
+            gp[name] = put(name, stacked)
         groups[g.name] = gp
     params["groups"] = groups
     bar.close()

@@ -1,5 +1,8 @@
 """Converted checkpoints with orbax: convert a model once (GGUF/safetensors -> tbjax tree), restore it straight
-into a target sharding (each device reads only its shards), with the spec and tokenizer stored beside it."""
+into a target sharding (each device reads only its shards), with the spec and tokenizer stored beside it.
+
+Quantized weights (tbjax/model/quant.py) are saved as they are resident (codes, scales, zeros as separate arrays);
+`tbjax_quant.json` records each one's format, blocks and shapes so that restore can rebuild the tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +16,7 @@ from tbjax.weights.assemble import WeightLoadError
 
 SPEC_FILE = "tbjax_spec.json"
 TOKENIZER_FILE = "tokenizer_meta.json"
+QUANT_FILE = "tbjax_quant.json"
 
 
 def spec_to_dict(spec: ModelSpec) -> dict:
@@ -35,9 +39,20 @@ def save(path: str, spec: ModelSpec, params, tokenizer_meta: dict | None = None)
 
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
+    from sharding.rules import path_str
+    from tbjax.model.quant import QuantizedWeight, describe, params_dtype
+
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(path, "params"), params, force=True)
-    dtypes = {str(a.dtype) for a in jax.tree.leaves(params)}
+    quant = {path_str(kp): describe(w) for kp, w in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0] if isinstance(w, QuantizedWeight)}
+    qfile = os.path.join(path, QUANT_FILE)
+    if quant:
+        with open(qfile, "w") as f:
+            json.dump(quant, f, indent=1)
+    elif os.path.exists(qfile):
+        os.remove(qfile)
+    dtypes = {str(a.dtype) for a in jax.tree.leaves(params)} if not quant else {params_dtype(params)}
     with open(os.path.join(path, SPEC_FILE), "w") as f:
         json.dump({**spec_to_dict(spec), "_params_dtype": dtypes.pop() if len(dtypes) == 1 else None}, f, indent=1)
     if tokenizer_meta is not None:
@@ -64,16 +79,35 @@ def read_spec(path: str) -> ModelSpec:
     return _read_spec(path)[0]
 
 
-def restore(path: str, shardings=None, dtype=None):
-    """Returns (spec, params). `shardings`: a pytree of jax.sharding.Sharding matching the params (or a single
-    Sharding for every leaf); None => default device placement."""
-    import orbax.checkpoint as ocp
-
+def abstract_params(path: str, dtype=None):
+    """(spec, ShapeDtypeStructs of the saved tree, quantized weights included) of a checkpoint."""
+    from sharding.rules import path_str
     from tbjax.model.params import param_shapes
+    from tbjax.model.quant import from_description
 
     path = os.path.abspath(path)
     spec, saved_dtype = _read_spec(path)
     abstract = param_shapes(spec, dtype or saved_dtype)
+    qfile = os.path.join(path, QUANT_FILE)
+    if os.path.isfile(qfile):
+        with open(qfile) as f:
+            quant = json.load(f)
+        abstract = jax.tree_util.tree_map_with_path(
+            lambda kp, a: from_description(quant[path_str(kp)], dtype) if path_str(kp) in quant else a, abstract)
+    return spec, abstract
+
+
+def restore(path: str, shardings=None, dtype=None, weight_dtype: str = "auto"):
+    """Returns (spec, params). `shardings`: a pytree of jax.sharding.Sharding matching the params (or a single
+    Sharding for every leaf); None => default device placement. Quantized weights come back in their saved format
+    (weight_dtype "auto"); "bf16"/"float32" dequantizes them, "int8"/"int4"/"fp8" converts every matrix."""
+    import orbax.checkpoint as ocp
+
+    from tbjax.model.quant import FORMATS, QuantizedWeight, check_weight_dtype, dequantize, quantize_tree
+
+    path = os.path.abspath(path)
+    weight_dtype = check_weight_dtype(weight_dtype)
+    spec, abstract = abstract_params(path, dtype)
     if shardings is not None:
         if isinstance(shardings, jax.sharding.Sharding):
             shardings = jax.tree.map(lambda _: shardings, abstract)
@@ -83,6 +117,12 @@ def restore(path: str, shardings=None, dtype=None):
             params = ckpt.restore(os.path.join(path, "params"), abstract)
     except Exception as e:
         raise WeightLoadError(f"{path}: cannot restore params: {type(e).__name__}: {e}") from None
+    if weight_dtype in FORMATS:
+        params = quantize_tree(params, weight_dtype)
+    elif weight_dtype in ("bf16", "float32"):
+        dt = dtype or ("bfloat16" if weight_dtype == "bf16" else "float32")
+        params = jax.tree.map(lambda w: dequantize(w, dt) if isinstance(w, QuantizedWeight) else w, params,
+                              is_leaf=lambda x: isinstance(x, QuantizedWeight))
     return spec, params
 
 

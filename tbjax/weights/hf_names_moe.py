@@ -20,6 +20,7 @@ import os
 import ml_dtypes
 import numpy as np
 
+from tbjax.model.quant import HostQuant, check_weight_dtype
 from tbjax.spec import ModelSpec
 from tbjax.weights.assemble import WeightLoadError, assemble
 from tbjax.weights.safetensors_dir import HF_NAMES, SafetensorsIndex
@@ -85,12 +86,13 @@ def block_dequant(q, scale_inv, block_out_in: tuple[int, int]) -> np.ndarray:
 
 
 class HFGetter:
-    """Getter (logical name, layer) -> float32 array in HF orientation, dequantizing fp8 block-scaled weights.
+    """Getter (logical name, layer) -> float32 array in HF orientation, dequantizing fp8 block-scaled weights, or
+    (keep_fp8) the fp8 codes and their scales as they are (HostQuant, fp8 format, blocks [bo, bi]).
 
     `scales[(name, layer)]` keeps each fp8 weight's `weight_scale_inv` (HF orientation [out_blocks, in_blocks])."""
 
-    def __init__(self, path: str, spec: ModelSpec, block_out_in: tuple[int, int] = (128, 128)):
-        self.path, self.spec, self.block = path, spec, tuple(block_out_in)
+    def __init__(self, path: str, spec: ModelSpec, block_out_in: tuple[int, int] = (128, 128), keep_fp8=False):
+        self.path, self.spec, self.block, self.keep_fp8 = path, spec, tuple(block_out_in), keep_fp8
         self.index = SafetensorsIndex(path)
         self.scales: dict[tuple[str, int | None], np.ndarray] = {}
 
@@ -107,6 +109,12 @@ class HFGetter:
             if s is None:
                 raise WeightLoadError(f"{self.path}: {key} is {t.dtype} but {skey} (its block scales) is missing")
             self.scales[(name, layer)] = np.asarray(s, np.float32)
+            if self.keep_fp8 and t.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+                need = tuple(-(-n // b) for n, b in zip(t.shape, self.block))
+                if tuple(s.shape) != need:
+                    raise WeightLoadError(f"{self.path}: {skey} has shape {tuple(s.shape)}, but a {t.shape[0]}x"
+                                          f"{t.shape[1]} weight in {self.block[0]}x{self.block[1]} blocks needs {need}")
+                return HostQuant(np.asarray(t), np.asarray(s, np.float32), None, "fp8", self.block)
             return block_dequant(t, s, self.block)
         return t.astype(np.float32)
 
@@ -122,10 +130,12 @@ def quant_block(config: dict) -> tuple[int, int] | None:
     return int(b[0]), int(b[1])
 
 
-def load_hf(path: str | os.PathLike, dtype=None, progress: bool = False):
+def load_hf(path: str | os.PathLike, dtype=None, progress: bool = False, weight_dtype: str = "bf16"):
     """Load a HF MoE / MLA (or dense) safetensors directory. Returns (spec, params, fp8_scales).
 
-    fp8 weights are dequantized (float32 math) to `dtype`. fp8_scales is None for non-fp8 checkpoints, else
+    weight_dtype "auto" (or "fp8") keeps fp8 block-scaled matrices resident as fp8 QuantizedWeights (codes and
+    `weight_scale_inv`, blocks transposed to the tree's [in, out]); "bf16"/"float32" dequantize them (float32
+    math) to `dtype`; "int8"/"int4" quantize every matrix. fp8_scales is None for non-fp8 checkpoints, else
     {"block": (rows, cols) in the tree's [in, out] orientation, "groups": {group: {param: float32 [L, rb, cb]}}}
     for every matrix parameter stored as fp8 (experts: [L, E, rb, cb])."""
     path = os.fspath(path)
@@ -133,8 +143,9 @@ def load_hf(path: str | os.PathLike, dtype=None, progress: bool = False):
         config = json.load(f)
     spec = ModelSpec.from_hf_config(config)
     block = quant_block(config) or (128, 128)
-    get = HFGetter(path, spec, block)
-    params = assemble(spec, get, dtype or spec.dtype, path, progress)
+    weight_dtype = check_weight_dtype(weight_dtype)
+    get = HFGetter(path, spec, block, keep_fp8=weight_dtype in ("auto", "fp8"))
+    params = assemble(spec, get, dtype or spec.dtype, path, progress, weight_dtype=weight_dtype)
     return spec, params, collect_scales(spec, get) if get.scales else None
 
 

@@ -86,7 +86,9 @@ class SafetensorsDir:
     def raw(self, name: str) -> np.ndarray | None:
         return self.index.read(name)
 
-    def load(self, spec: ModelSpec | None = None, dtype=None, progress: bool = True):
+    def load(self, spec: ModelSpec | None = None, dtype=None, progress: bool = True, weight_dtype: str = "bf16"):
+        """(spec, params); weight_dtype "int8"/"int4"/"fp8" quantizes every matrix at load (tbjax/model/quant.py),
+        "auto"/"bf16"/"float32" keep float weights."""
         spec = spec or self.spec()
 
         def get(name, layer):
@@ -98,4 +100,4 @@ class SafetensorsDir:
                 return None
             return None if t is None else t.astype(np.float32)
 
-        return spec, assemble(spec, get, dtype or spec.dtype, self.path, progress)
+        return spec, assemble(spec, get, dtype or spec.dtype, self.path, progress, weight_dtype=weight_dtype)

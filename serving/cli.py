@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="launch engine step N+1 before waiting for step N (default: on with an accelerator, off on "
                           "CPU); --no-overlap-scheduling runs one step at a time")
+    eng.add_argument("--speculative", default=None, metavar="SETTINGS",
+                     help="speculative decoding with a sliding-window draft (off by default): key=value list "
+                          "draft=self|PATH,num_tokens=K,window=W (e.g. draft=self,num_tokens=4,window=128; "
+                          "omitted keys take those defaults) or the same as a JSON object; draft=PATH is a small model "
+                          "with the target's tokenizer. Runs without overlapped scheduling (docs/speculative.md)")
     eng.add_argument("--mesh", default=None,
                      help="decode mesh as axis=size list, e.g. dp=4,ep=2 (axes dp, ep, tp, pp; default: one device): "
                           "requests, KV pools, attention-weight shards and routed experts spread over its devices")
@@ -162,6 +167,12 @@ def _engine_kw(a: argparse.Namespace) -> dict:
     if lay:
         from sharding.mesh import DecodeLayout
         kw["decode_layout"] = DecodeLayout(**lay)
+    if a.speculative is not None and a.role not in ("router", "prefill"):   # those never decode
+        from tbjax.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+        try:
+            kw["speculative"] = SpeculativeConfig.parse(a.speculative)
+        except SpeculativeConfigError as e:
+            raise SystemExit(f"tbjax: --speculative: {e}") from None
     return kw
 
 

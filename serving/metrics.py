@@ -89,6 +89,23 @@ class ServerMetrics:
                                              buckets=_COMPILE_BUCKETS, registry=r)
         self.ready = Gauge("tbjax_ready", "1 once every program is compiled and the server serves, else 0",
                            registry=r)
+        # speculative decoding (tbjax/engine/speculative.py; zero when it is off), after vLLM's spec_decode names
+        self.spec_draft_tokens = Counter("tbjax_spec_decode_num_draft_tokens", "Draft tokens proposed and verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("tbjax_spec_decode_num_accepted_tokens",
+                                            "Draft tokens the target accepted", registry=r)
+        self.spec_emitted_tokens = Counter("tbjax_spec_decode_num_emitted_tokens",
+                                           "Tokens emitted by verify steps (accepted drafts + one sampled each)",
+                                           registry=r)
+        self.spec_drafts = Counter("tbjax_spec_decode_num_drafts", "Verified draft runs (one per sequence and step)",
+                                   registry=r)
+        self.spec_acceptance = Gauge("tbjax_spec_decode_acceptance_rate", "Accepted / proposed draft tokens (since "
+                                     "the engine started)", registry=r)
+        self.spec_tokens_per_step = Gauge("tbjax_spec_decode_tokens_per_step", "Mean tokens a sequence gains per "
+                                          "verify step (1 + accepted drafts)", registry=r)
+        self.spec_draft_pages = Gauge("tbjax_spec_decode_draft_kv_pages_used", "Draft KV ring pages held (one ring "
+                                      "per running sequence)", registry=r)
+        self._spec_last: dict[str, float] = {}
         self._http = None
         self._lock = threading.Lock()
         self._compile_listener = None
@@ -145,10 +162,22 @@ class ServerMetrics:
         for key, gauge in (("running", self.running), ("waiting", self.waiting),
                            ("kv_pages_used", self.kv_used), ("kv_pages_cached", self.kv_cached),
                            ("kv_pages_free", self.kv_free), ("kv_pages_total", self.kv_total),
-                           ("prefix_hit_rate", self.prefix_hit)):
+                           ("prefix_hit_rate", self.prefix_hit), ("spec_acceptance_rate", self.spec_acceptance),
+                           ("spec_tokens_per_step", self.spec_tokens_per_step),
+                           ("spec_draft_pages_used", self.spec_draft_pages)):
             v = stats.get(key)
             if _num(v):
                 gauge.set(v)
+        # the engine's totals -> counter increments (a total that went down: a new engine, counted from 0)
+        for key, counter in (("spec_draft_tokens", self.spec_draft_tokens),
+                             ("spec_accepted_tokens", self.spec_accepted_tokens),
+                             ("spec_emitted_tokens", self.spec_emitted_tokens),
+                             ("spec_verify_entries", self.spec_drafts)):
+            v = stats.get(key)
+            if _num(v):
+                last = self._spec_last.get(key, 0)
+                counter.inc(v - last if v >= last else v)
+                self._spec_last[key] = v
 
     # -- exposition --------------------------------------------------------------------------------------
     def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:

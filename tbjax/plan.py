@@ -136,10 +136,28 @@ def activation_bytes_per_token(spec: ModelSpec) -> int:
     return 4 * spec.vocab_size + 6 * D * 2 + max(attn, ffn)
 
 
+def draft_kv_bytes(spec: ModelSpec, context: int, *, window: int = 128, num_tokens: int = 4, page_size: int = 16,
+                   kv_dtype: str = "bfloat16") -> dict:
+    """KV bytes one sequence's speculative draft holds (tbjax/engine/speculative.py): the sliding-window ring
+    (ring_pages pages of page_size tokens, whatever the context) vs a full-attention draft of the same model at
+    ``context`` tokens (rounded up to pages). ``spec`` is the draft's model (the target itself for "self")."""
+    from tbjax.engine.speculative import ring_pages
+    tok = kv_bytes_per_token(spec, kv_dtype)
+    ring = ring_pages(window, page_size, num_tokens)
+    full_pages = -(-context // page_size)
+    return {"window": window, "num_tokens": num_tokens, "page_size": page_size, "ring_pages": ring,
+            "windowed_bytes": ring * page_size * tok, "full_bytes": full_pages * page_size * tok,
+            "saved_bytes": max(0, (full_pages - ring) * page_size * tok)}
+
+
 def plan(spec: ModelSpec, mesh_shape: dict[str, int], layout: DecodeLayout = DecodeLayout(), *,
          hbm_bytes: int = 140 * GIB, context: int = 8192, weights: str = "checkpoint",
-         kv_dtype: str = "bfloat16", reserve_bytes: int = 4 * GIB) -> dict:
-    """Per-device memory composition and max batch, replicated vs DP-sharded attention. Bytes everywhere."""
+         kv_dtype: str = "bfloat16", reserve_bytes: int = 4 * GIB, speculative=None,
+         draft_spec: ModelSpec | None = None) -> dict:
+    """Per-device memory composition and max batch, replicated vs DP-sharded attention. Bytes everywhere.
+    ``speculative`` (a dict or tbjax.engine.speculative.SpeculativeConfig): each sequence also holds its draft's
+    KV ring (of ``draft_spec``, default the target: the "self" draft, no extra weights; a separate draft's weights
+    are replicated on every device)."""
     shape = {a: int(mesh_shape.get(a, 1)) for a in AXES}
     for a in ("tp", "pp"):
         if shape[a] != 1:
@@ -159,11 +177,20 @@ def plan(spec: ModelSpec, mesh_shape: dict[str, int], layout: DecodeLayout = Dec
     common["routed experts"] = total["routed experts"] // n_ep if spec.moe else 0
     kv_tok = kv_bytes_per_token(spec, kv_dtype)
     act_tok = activation_bytes_per_token(spec)
+    draft = None
+    if speculative is not None:
+        from tbjax.engine.speculative import SpeculativeConfig
+        sc = SpeculativeConfig.parse(speculative)
+        dspec = draft_spec or spec
+        draft = draft_kv_bytes(dspec, context, window=sc.window, num_tokens=sc.num_tokens, kv_dtype=kv_dtype)
+        draft["weights_bytes"] = 0 if draft_spec is None else sum(weight_bytes(draft_spec, weights).values())
+        if draft["weights_bytes"]:
+            common["speculative draft"] = draft["weights_bytes"]
     cols = {}
     for name, attn in (("replicated", attn_repl), ("dp_sharded", attn_shard)):
         w = sum(common.values()) + attn
         free = hbm_bytes - w - reserve_bytes
-        per_seq = context * kv_tok + act_tok
+        per_seq = context * kv_tok + act_tok + (draft["windowed_bytes"] if draft else 0)
         b = max(0, free // per_seq)
         cols[name] = {"attention": attn, "weights": w, "free": free, "max_batch_per_device": int(b),
                       "max_batch_total": int(b) * n_batch}
@@ -173,7 +200,8 @@ def plan(spec: ModelSpec, mesh_shape: dict[str, int], layout: DecodeLayout = Dec
             "total_by_kind": total, "per_device_by_kind": common, "attention_layer_bytes": layer,
             "attention_params_per_layer": param_counts(spec)["attention"] // spec.n_layers,
             "params_total": sum(param_counts(spec).values()),
-            "kv_bytes_per_token": kv_tok, "activation_bytes_per_token": act_tok, "columns": cols}
+            "kv_bytes_per_token": kv_tok, "activation_bytes_per_token": act_tok, "columns": cols,
+            "draft_kv": draft}
 
 
 def _g(b) -> str:
@@ -189,7 +217,7 @@ def format_plan(p: dict) -> str:
              "", f"{'per device':32s}{'replicated attn':>16s}{'DP-sharded attn':>18s}"]
     c = p["columns"]
     lines.append(f"{'attention weights':32s}{_g(c['replicated']['attention']):>16s}{_g(c['dp_sharded']['attention']):>18s}")
-    for k in KINDS[1:]:
+    for k in KINDS[1:] + ("speculative draft",):
         v = p["per_device_by_kind"].get(k, 0)
         if v:
             lines.append(f"{k:32s}{_g(v):>16s}{_g(v):>18s}")
@@ -203,6 +231,11 @@ def format_plan(p: dict) -> str:
                  f"{c['dp_sharded']['max_batch_total']:>18d}")
     released = c["replicated"]["attention"] - c["dp_sharded"]["attention"]
     lines.append(f"DP attention sharding releases {released / GIB:.2f} GiB per device")
+    d = p.get("draft_kv")
+    if d:
+        lines.append(f"speculative draft KV per sequence: window {d['window']} ({d['ring_pages']} pages of "
+                     f"{d['page_size']}): {d['windowed_bytes'] / 2**20:.1f} MiB, vs "
+                     f"{d['full_bytes'] / 2**20:.1f} MiB with full attention at {p['context']} tokens")
     return "\n".join(lines)
 
 
@@ -234,6 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts-over", default="dp,ep", help="mesh axes the experts are split over")
     ap.add_argument("--attn-over", default="dp,ep", help="mesh axes the attention weights are split over")
     ap.add_argument("--release-table", default=None, help="print the markdown release table for dp=LIST, e.g. 8,16,32")
+    ap.add_argument("--speculative", default=None,
+                    help="count a speculative draft's KV ring per sequence: draft=self,num_tokens=4,window=128")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = ap.parse_args(argv)
     try:
@@ -248,9 +283,9 @@ def main(argv=None) -> int:
         layout = DecodeLayout(batch_axes=("dp", "ep"), expert_axes=ax(a.experts_over), attn_axes=ax(a.attn_over))
         for c, spec in specs.items():
             p = plan(spec, mesh, layout, hbm_bytes=int(a.hbm_gib * GIB), context=a.context, weights=a.weights,
-                     kv_dtype=a.kv_dtype, reserve_bytes=int(a.reserve_gib * GIB))
+                     kv_dtype=a.kv_dtype, reserve_bytes=int(a.reserve_gib * GIB), speculative=a.speculative)
             print(json.dumps(p) if a.json else format_plan(p))
-    except (SpecError, MeshMismatch, PlanError) as e:
+    except (SpecError, MeshMismatch, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -95,11 +95,8 @@ def _row_key(seed, position):
 SAMPLE_CANDIDATES = 64   # the fast path's candidate set (lax.top_k) before falling back to a full sort
 
 
-def _choose(s_sorted_BC, ids_BC, lse_B1, gumbel_BV, top_k_B, top_p_B, min_p_B):
-    """Applies top-k / top-p / min-p to rows sorted in descending order and draws with Gumbel-max.
-
-    The noise is indexed by token id (not by rank), so a candidate subset and the full sort draw the same token.
-    """
+def _keep_sorted(s_sorted_BC, lse_B1, top_k_B, top_p_B, min_p_B):
+    """The tokens top-k / top-p / min-p keep, for rows sorted in descending order (the first is always kept)."""
     C = s_sorted_BC.shape[-1]
     p_sorted = jnp.exp(s_sorted_BC - lse_B1)                              # probabilities of the full distribution
     rank = jnp.arange(C)[None, :]
@@ -107,7 +104,15 @@ def _choose(s_sorted_BC, ids_BC, lse_B1, gumbel_BV, top_k_B, top_p_B, min_p_B):
     cum_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
     keep &= cum_before < top_p_B[:, None]
     keep &= p_sorted >= min_p_B[:, None] * p_sorted[:, :1]
-    keep = keep.at[:, 0].set(True)
+    return keep.at[:, 0].set(True)
+
+
+def _choose(s_sorted_BC, ids_BC, lse_B1, gumbel_BV, top_k_B, top_p_B, min_p_B):
+    """Applies top-k / top-p / min-p to rows sorted in descending order and draws with Gumbel-max.
+
+    The noise is indexed by token id (not by rank), so a candidate subset and the full sort draw the same token.
+    """
+    keep = _keep_sorted(s_sorted_BC, lse_B1, top_k_B, top_p_B, min_p_B)
     g = jnp.take_along_axis(gumbel_BV, ids_BC, axis=-1)
     j = jnp.argmax(jnp.where(keep, s_sorted_BC + g, -jnp.inf), axis=-1)
     return jnp.take_along_axis(ids_BC, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
@@ -145,13 +150,90 @@ def sample(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position
             return full()
         cand_s, cand_i = jax.lax.top_k(scaled, C)
         p_c = jnp.exp(cand_s - lse)
-        covered = (((top_k_B > 0) & (top_k_B <= C)) | (jnp.sum(p_c, axis=-1) >= top_p_B)
-                   | (p_c[:, -1] < min_p_B * p_c[:, 0]) | (C == V) | (temperature_B <= 0))
+        covered = _covered(p_c, top_k_B, top_p_B, min_p_B, temperature_B, C, V)
         return jax.lax.cond(jnp.all(covered), lambda: _choose(cand_s, cand_i.astype(jnp.int32), *args), full)
 
     sampled_tok = jax.lax.cond(jnp.all(temperature_B <= 0), lambda: greedy_tok, sampled)
     tok = jnp.where(temperature_B > 0, sampled_tok, greedy_tok)
     return tok, logprobs
+
+
+def _covered(p_c, top_k_B, top_p_B, min_p_B, temperature_B, C, V):
+    """Rows whose kept set provably lies inside their top-C candidates (then no [B, V] sort is needed)."""
+    return (((top_k_B > 0) & (top_k_B <= C)) | (jnp.sum(p_c, axis=-1) >= top_p_B)
+            | (p_c[:, -1] < min_p_B * p_c[:, 0]) | (C == V) | (temperature_B <= 0))
+
+
+def _sampling_probs(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, candidates):
+    B, V = logits_BV.shape
+    logits = logits_BV.astype(jnp.float32)
+    t = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    scaled = logits / t
+    lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    C = min(candidates, V)
+    rows = jnp.arange(B)[:, None]
+
+    def keep_of(s_sorted, ids):
+        keep = _keep_sorted(s_sorted, lse, top_k_B, top_p_B, min_p_B)
+        return jnp.zeros((B, V), bool).at[rows, ids].set(keep)
+
+    def full():
+        order = jnp.argsort(-scaled, axis=-1)
+        return keep_of(jnp.take_along_axis(scaled, order, axis=-1), order)
+    if C == 0:
+        keep_V = full()
+    else:
+        cand_s, cand_i = jax.lax.top_k(scaled, C)
+        covered = _covered(jnp.exp(cand_s - lse), top_k_B, top_p_B, min_p_B, temperature_B, C, V)
+        keep_V = jax.lax.cond(jnp.all(covered), lambda: keep_of(cand_s, cand_i), full)
+    e = jnp.where(keep_V, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(temperature_B[:, None] > 0, probs, onehot)
+
+
+def sampling_probs(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, *, candidates: int = SAMPLE_CANDIDATES):
+    """float32 [B, V]: the distribution ``sample`` draws each row from: softmax(logits / temperature) over the tokens
+    top-k / top-p / min-p keep (the same keep rule as ``sample``), renormalized; greedy rows (temperature 0) one-hot
+    at the argmax. Speculative decoding needs it whole: the draft's and the target's (rejection sampling)."""
+    return _sampling_probs(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, min(candidates, logits_BV.shape[1]))
+
+
+# fold_in constant of the acceptance uniform: another stream than the row's Gumbel noise (the key itself)
+_ACCEPT_STREAM = 0x5EC
+
+
+def verify_draft(logits_BV, q_BV, draft_B, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position_B, *,
+                 candidates: int = SAMPLE_CANDIDATES):
+    """Speculative verification of one drafted token per row: (token_B int32, accepted_B bool).
+
+    The target's distribution p (``sampling_probs`` of ``logits_BV``) and the draft's q (``q_BV``, the distribution
+    the draft sampled ``draft_B`` from, same transforms) give the standard rejection rule: accept the draft with
+    probability min(1, p(d) / q(d)); otherwise the token is drawn from the residual max(0, p - q) / Z. The emitted
+    token is then distributed exactly as p. Greedy rows (temperature 0): accepted iff the draft is the argmax, and
+    the token is the argmax. Randomness is per row from key(seed) folded with the position, as ``sample``: the
+    uniform on its own stream, the residual draw Gumbel-max with the row key's noise."""
+    B, V = logits_BV.shape
+    greedy_tok = jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    draft_B = draft_B.astype(jnp.int32)
+
+    def sampled():
+        p = _sampling_probs(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, min(candidates, V))
+        q = q_BV.astype(jnp.float32)
+        pd = jnp.take_along_axis(p, draft_B[:, None], axis=-1)[:, 0]
+        qd = jnp.take_along_axis(q, draft_B[:, None], axis=-1)[:, 0]
+        keys = jax.vmap(_row_key)(seed_B, position_B)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, _ACCEPT_STREAM), (), jnp.float32))(keys)
+        accept = u * qd < pd
+        resid = jnp.maximum(p - q, 0.0)
+        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        r_tok = jnp.argmax(jnp.where(resid > 0, jnp.log(resid) + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+        return jnp.where(accept, draft_B, r_tok), accept
+
+    s_tok, s_acc = jax.lax.cond(jnp.all(temperature_B <= 0), lambda: (greedy_tok, draft_B == greedy_tok), sampled)
+    greedy = temperature_B <= 0
+    return jnp.where(greedy, greedy_tok, s_tok), jnp.where(greedy, draft_B == greedy_tok, s_acc)
 
 
 def keep_mask_numpy(logits_V: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:

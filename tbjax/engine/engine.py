@@ -35,6 +35,8 @@ from tbjax.engine.request import FinishReason, Sequence
 from tbjax.engine.runner import ModelRunner
 from tbjax.model.quant import params_dtype
 from tbjax.engine.scheduler import KVReservationError, RequestTooLarge, Scheduler, SchedulerConfig
+from tbjax.engine import speculative
+from tbjax.engine.speculative import SpeculativeConfig, SpeculativeDecoder
 from tbjax.sampling import SamplingParams
 from tbjax.spec import ModelSpec
 from tbjax.tokenizer import TextTokenizer
@@ -66,6 +68,10 @@ class EngineConfig:
     # spread over all of its devices by default (`decode_layout`: sharding.mesh.DecodeLayout).
     mesh: object = None
     decode_layout: object = None
+    # Speculative decoding with a sliding-window draft (tbjax/engine/speculative.py): None (off), or
+    # {"draft": "self" | PATH, "num_tokens": 4, "window": 128} (a dict, "draft=self,num_tokens=4" or JSON text, or a
+    # SpeculativeConfig). Runs without overlapped scheduling.
+    speculative: object = None
 
 
 @dataclasses.dataclass
@@ -148,12 +154,20 @@ class Engine:
             self.config = config
         self.max_model_len = max_len
         max_pages_per_seq = -(-max_len // config.page_size)
+        spec_cfg = SpeculativeConfig.parse(config.speculative)
+        if spec_cfg is not None and config.overlap_scheduling:
+            raise ValueError("speculative decoding runs without overlapped scheduling (the draft's proposals are "
+                             "needed before the target's step is built): leave overlap_scheduling unset or False")
         self.runner = ModelRunner(spec, params, mesh=config.mesh, layout=config.decode_layout,
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
-                                  fold_norms=config.fold_norms)
+                                  fold_norms=config.fold_norms, spec_role="target" if spec_cfg else None,
+                                  spec_tokens=spec_cfg.num_tokens if spec_cfg else 0)
+        # the draft (its weights, ring pools, distribution buffer) is placed before the target's KV is sized, so
+        # that free-memory sizing counts it
+        self.spec_decoder = SpeculativeDecoder(spec_cfg, self) if spec_cfg is not None else None
         pbytes = self.runner.param_bytes_per_device()
         if config.num_pages:
             num_pages = config.num_pages
@@ -168,10 +182,12 @@ class Engine:
             num_pages=num_pages, page_size=config.page_size, dp=self.num_ranks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_prefill_chunk=config.max_prefill_chunk,
             max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
-            preemption=config.preemption))
+            preemption=config.preemption, num_speculative_tokens=spec_cfg.num_tokens if spec_cfg else 0))
         self.params = self.runner.params      # one copy: with layer_buffers="split" the stacked tree is dropped
         self.overlap = jax.default_backend() != "cpu" if config.overlap_scheduling is None \
             else bool(config.overlap_scheduling)
+        if self.spec_decoder is not None:
+            self.overlap = False
         self._reqs: dict[Hashable, _ReqState] = {}
         self._rng = random.Random()
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)
@@ -211,6 +227,8 @@ class Engine:
         self._pending = [o for o in self._pending if o.request_id != request_id]
         held = self.scheduler.release_held(request_id)
         res = self.scheduler.release_reservation(request_id)
+        if self.spec_decoder is not None:
+            self.spec_decoder.release(request_id)
         return self.scheduler.abort(request_id) or held or res
 
     # ---- prefill/decode disaggregation -------------------------------------------------------------------
@@ -278,15 +296,16 @@ class Engine:
     def warmup(self, progress: bool = False) -> dict:
         """Compile every step program this engine can run (all token buckets, in parallel); afterwards no request
         of any shape compiles a step (one that does is logged as a warning). Returns programs and seconds."""
-        before = self.runner.num_compiled
-        secs = self.runner.precompile(progress=progress)
-        return {"programs": len(self.runner.buckets), "new_programs": self.runner.num_compiled - before,
-                "seconds": secs}
+        runners = [self.runner] + ([self.spec_decoder.runner] if self.spec_decoder is not None else [])
+        before = sum(r.num_compiled for r in runners)
+        secs = sum(r.precompile(progress=progress) for r in runners)
+        return {"programs": sum(len(r.buckets) for r in runners),
+                "new_programs": sum(r.num_compiled for r in runners) - before, "seconds": secs}
 
     @property
     def ready(self) -> bool:
         """Every step program is compiled (``warmup`` ran)."""
-        return self.runner.ready
+        return self.runner.ready and (self.spec_decoder is None or self.spec_decoder.runner.ready)
 
     def release_reservation(self, request_id: Hashable) -> bool:
         """Free a reservation whose transfer never completed; False if there is none."""
@@ -317,6 +336,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration. Without overlap: schedule, run, return this step's outputs. With overlap: launch the next
         step, then wait for the one in flight and return its outputs."""
+        if self.spec_decoder is not None:
+            return self._spec_step()
         pending, self._pending = self._pending, []
         prev = self._inflight
         if prev is None:
@@ -384,6 +405,80 @@ class Engine:
             results.append(self._emit(so, st, lp_by_id.get(so.seq_id)))
         return results
 
+    def _spec_step(self) -> list[RequestOutput]:
+        """One step with speculative decoding (tbjax/engine/speculative.py): the draft proposes, one target step
+        verifies every decode's drafts and runs the prefill chunks, the scheduler keeps the accepted runs."""
+        pending, self._pending = self._pending, []
+        sd = self.spec_decoder
+        batch = self.scheduler.schedule()
+        if batch is None:
+            sd.gc(self.scheduler)
+            return pending
+        props = sd.propose(batch, self._reqs, self.scheduler)
+        entries, sampling, verify, want_lp = [], [], [], False
+        for e in batch.entries:
+            st = self._reqs[e.seq_id]
+            p = st.params
+            pr = props.get(e.seq_id)
+            entries.append((e.dp_rank, e.token_ids + (pr.drafts if pr else []), e.start, e.block_table))
+            verify.append(pr.q_rows if pr else None)
+            sampling.append((p.temperature, p.top_k, p.top_p, p.min_p, st.seed))
+            want_lp |= p.logprobs > 0 and e.samples
+        inp = self.runner.build_inputs(entries, sampling, verify=verify)
+        out = self.runner.fetch(self.runner.launch(inp, qbuf=sd.qbuf), want_lp)
+        self.num_steps += 1
+        sampled, lps = {}, {}
+        for i, e in enumerate(batch.entries):
+            if not e.samples:
+                continue
+            r0, nr = inp.rows[i], inp.n_rows[i]
+            pr, a = props.get(e.seq_id), 0
+            if pr is not None:
+                a = speculative.accepted_prefix(out["accepted"][r0:r0 + nr - 1])
+                sd.commit(e.seq_id, a)
+            run = (pr.drafts[:a] if pr is not None else []) + [int(out["tokens"][r0 + a])]
+            n_run = a + 1
+            sampled[e.seq_id] = run if e.num_draft else run[0]
+            st = self._reqs.get(e.seq_id)
+            if want_lp and st is not None and st.params.logprobs > 0:
+                n = st.params.logprobs
+                lps[e.seq_id] = [(float(out["token_logprob"][j]),
+                                  [(int(a_), float(b_)) for a_, b_ in zip(out["top_ids"][j][:n],
+                                                                          out["top_logprobs"][j][:n])])
+                                 for j in range(r0, r0 + n_run)]
+        if props:
+            sd.num_verify_steps += 1
+        results = []
+        for so in self.scheduler.on_step_done(batch, sampled):
+            st = self._reqs.get(so.seq_id)
+            if st is None:
+                continue
+            if st.first_token_time is None and so.new_token_ids:
+                st.first_token_time = time.monotonic()
+            results.append(self._emit_run(so, st, lps.get(so.seq_id)))
+        sd.gc(self.scheduler)
+        return pending + results
+
+    def _emit_run(self, so, st: _ReqState, lps) -> RequestOutput:
+        """``_emit`` for a run of several tokens (speculative decoding): token by token, as if each came from a step
+        of its own, so stop strings end the run where they would end it without speculation; one output."""
+        if len(so.new_token_ids) <= 1:
+            return self._emit(so, st, lps[0] if lps else None)
+        ids, text, lp_out, last = [], "", [], None
+        n = len(so.new_token_ids)
+        for i, tok in enumerate(so.new_token_ids):
+            end = i == n - 1
+            one = dataclasses.replace(so, new_token_ids=[tok], finished=so.finished and end,
+                                      finish_reason=so.finish_reason if end else None,
+                                      stop_token_id=so.stop_token_id if end else None)
+            last = self._emit(one, st, lps[i] if lps else None)
+            ids += last.new_token_ids
+            text += last.text_delta
+            lp_out += last.logprobs or []
+            if last.finished:
+                break
+        return RequestOutput(so.seq_id, ids, text, last.finished, last.finish_reason, lp_out or None)
+
     def _emit(self, so, st: _ReqState, lp) -> RequestOutput:
         st.out_ids.extend(so.new_token_ids)          # (the scheduler drops a finished sequence's own list)
         out_ids = st.out_ids
@@ -417,6 +512,9 @@ class Engine:
              "compiled_programs": self.runner.num_compiled, "capacity_tokens": s.capacity_tokens}
         if hasattr(s, "stats"):
             d.update(s.stats())
+        if self.spec_decoder is not None:
+            d.update(self.spec_decoder.stats())
+            d["compiled_programs"] += self.spec_decoder.runner.num_compiled
         return d
 
 

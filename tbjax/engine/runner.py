@@ -47,7 +47,7 @@ from tbjax.model.kinds import fold_norms as fold_layer_norms
 from tbjax.model.linear import AUTO_KERNEL_MAX_T, MATMUL_IMPLS
 from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
-from tbjax.sampling import sample
+from tbjax.sampling import sample, sampling_probs, verify_draft
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,13 @@ class StepInputs:
     seed_S: np.ndarray
     sample_pos_S: np.ndarray
     src_T: np.ndarray                     # per token: row of the rank's previous sampled tokens to feed, or -1
-    rows: list                            # per entry: its row in the step's outputs [R * S]
-    local_rows: list                      # per entry: its row in its rank's outputs (what src_T refers to)
+    rows: list                            # per entry: its (first) row in the step's outputs [R * S]
+    local_rows: list                      # per entry: its (first) row in its rank's outputs (what src_T refers to)
+    # speculative decoding (tbjax/engine/speculative.py), per sampling slot: the drafted token a verify row checks
+    # and the row of the draft-distribution buffer holding its q (target), or where to store q (draft); -1 = none
+    draft_tok_S: np.ndarray = None
+    q_row_S: np.ndarray = None
+    n_rows: list = dataclasses.field(default_factory=list)   # per entry: how many output rows it has
 
     @property
     def num_tokens(self) -> int:
@@ -104,14 +109,14 @@ class StepInputs:
         unpack them: two host->device transfers per step instead of thirteen."""
         ints = [self.tokens_T, self.positions_T, self.slots_T, self.block_tables_SP, self.kv_lens_S,
                 self.cu_q_lens_S1, self.sample_rows_S, self.top_k_S, self.seed_S.view(np.int32), self.sample_pos_S,
-                self.src_T]
+                self.src_T, self.draft_tok_S, self.q_row_S]
         floats = [self.temperature_S, self.top_p_S, self.min_p_S]
         layout = tuple(a.shape[1:] for a in ints + floats)
         return _concat_aligned(ints, np.int32), _concat_aligned(floats, np.float32), layout
 
 
 _INT_FIELDS = ("tokens_T", "positions_T", "slots_T", "block_tables_SP", "kv_lens_S", "cu_q_lens_S1", "sample_rows_S",
-               "top_k_S", "seed_S", "sample_pos_S", "src_T")
+               "top_k_S", "seed_S", "sample_pos_S", "src_T", "draft_tok_S", "q_row_S")
 _F32_FIELDS = ("temperature_S", "top_p_S", "min_p_S")
 
 
@@ -156,10 +161,12 @@ class _StepStatic:
     plan: mf.MeshPlan
     attn_impl: str
     kernel_impl: str | None               # decode matmul kernel for this bucket, or None (XLA dots)
+    spec_role: str | None = None          # speculative decoding: "target" (verifies drafts), "draft", or None
 
 
-def _body(params, caches, ints, floats, prev_M, *, layout, st: _StepStatic):
-    """One rank's step (inside the shard_map): ints / floats [1, n], prev_M [M] this rank's previous tokens."""
+def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _StepStatic):
+    """One rank's step (inside the shard_map): ints / floats [1, n], prev_M [M] this rank's previous tokens;
+    qbuf_QV: this rank's draft-distribution buffer (speculative roles only)."""
     spec = st.spec
     inp = _unpack(ints[0], floats[0], layout)
     src_T = inp["src_T"]
@@ -184,15 +191,37 @@ def _body(params, caches, ints, floats, prev_M, *, layout, st: _StepStatic):
     h_TD, caches = forward_hidden(params, spec, inp["tokens_T"], inp["positions_T"], attend, caches,
                                   kernel_impl=st.kernel_impl, ctx=ctx)
     logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=st.kernel_impl)
-    tok_S, logprobs_SV = sample(logits_SV, inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"],
-                                inp["seed_S"], inp["sample_pos_S"])
+    smp = (inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"])
+    tok_S, logprobs_SV = sample(logits_SV, *smp, inp["seed_S"], inp["sample_pos_S"])
+    extra = {}
+    if st.spec_role == "target":       # verify rows: rejection sampling against the draft's q (sampling.py)
+        q_row = inp["q_row_S"]
+        verify = q_row >= 0
+
+        def verified():
+            q_SV = jnp.take(qbuf_QV, jnp.maximum(q_row, 0), axis=0)
+            return verify_draft(logits_SV, q_SV, jnp.maximum(inp["draft_tok_S"], 0), *smp, inp["seed_S"],
+                                inp["sample_pos_S"])
+        v_tok, v_acc = jax.lax.cond(jnp.any(verify), verified,
+                                    lambda: (tok_S, jnp.zeros(tok_S.shape, bool)))
+        tok_S = jnp.where(verify, v_tok, tok_S)
+        extra["accepted"] = (verify & v_acc).astype(jnp.int32)
+    elif st.spec_role == "draft":      # keep the distribution each proposal was drawn from, for the target's check
+        dst = inp["q_row_S"]
+        Q = qbuf_QV.shape[0]
+
+        def stored():
+            q_SV = sampling_probs(logits_SV, *smp)
+            return qbuf_QV.at[jnp.where(dst >= 0, dst, Q)].set(q_SV, mode="drop")
+        needed = jnp.any((dst >= 0) & (inp["temperature_S"] > 0))
+        extra["qbuf"] = jax.lax.cond(needed, stored, lambda: qbuf_QV)
     top_lp, top_ids = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
     out = {"tokens": tok_S,
            # (a slice update, not .at[:S].set: with S == M that is a scatter with an empty index constant, which
            # crashes Shardy's unused-input canonicalization of the shard_map on XLA:CPU, jax 0.11.2)
            "tokens_M": jax.lax.dynamic_update_slice(jnp.zeros_like(prev_M), tok_S, (0,)),
            "token_logprob": jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0],
-           "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
+           "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32), **extra}
     return out, caches
 
 
@@ -222,11 +251,22 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, params, *, mesh=None, layout: DecodeLayout | None = None, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
                  matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False,
-                 fp8_scales=None):
+                 fp8_scales=None, spec_role: str | None = None, spec_tokens: int = 0, shared_params=None):
+        """spec_role (speculative decoding, tbjax/engine/speculative.py): "target" gives every step
+        max_num_seqs * (spec_tokens + 1) sampling slots (a verify entry samples each of its rows) and verifies drafts
+        against the draft-distribution buffer; "draft" stores each sampled row's distribution there.
+        shared_params: the placed parameters of another runner on the same mesh (the "self" draft runs the target's
+        weights): nothing is placed or copied."""
+        if spec_role not in (None, "target", "draft"):
+            raise ValueError(f"spec_role must be None, 'target' or 'draft', got {spec_role!r}")
+        self.spec_role, self.spec_tokens = spec_role, int(spec_tokens)
         self.mesh = resolve_mesh(mesh)
         self.layout = layout or DecodeLayout()
         self.plan = mf.make_plan(spec, self.mesh, self.layout, fp8_scales=fp8_scales)
         self.num_ranks = axes_size(dict(self.mesh.shape), self.layout.batch_axes)
+        if shared_params is not None:
+            fold_norms, layer_buffers = False, "split" if any(
+                isinstance(v, list) for g in shared_params["groups"].values() for v in g.values()) else "stacked"
         if fold_norms:       # RMSNorm weights folded into the next projection (tbjax/model/kinds.py): 2 fewer kernels
             if self.plan.packed:
                 raise MeshMismatch("fold_norms with DP-sharded attention weights is not supported: the packed "
@@ -238,11 +278,12 @@ class ModelRunner:
             raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
         if layer_buffers == "auto":
             layer_buffers = "split" if jax.default_backend() == "gpu" else "stacked"
-        if layer_buffers == "split":
+        if layer_buffers == "split" and shared_params is None:
             params = split_layer_buffers(params)
         self.layer_buffers = layer_buffers
         self.spec = spec
-        self.params = mf.mesh_params(params, self.plan, self.mesh, fp8_scales)
+        self.params = shared_params if shared_params is not None else \
+            mf.mesh_params(params, self.plan, self.mesh, fp8_scales)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
@@ -254,9 +295,11 @@ class ModelRunner:
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
         self.buckets = token_buckets(max(max_num_batched_tokens, self.min_seqs), self.min_seqs)
         self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
+        self.max_samples = self.samples_for(self.buckets[-1])       # M: sampling slots of the largest bucket
+        self.q_rows = self.max_num_seqs * self.spec_tokens         # draft-distribution rows per rank (speculative)
         self._bax = tuple(self.layout.batch_axes) or None
         self._rank_sharding = NamedSharding(self.mesh, P(self._bax))
-        self._no_prev = jax.device_put(np.zeros(self.num_ranks * self.max_seqs, np.int32), self._rank_sharding)
+        self._no_prev = jax.device_put(np.zeros(self.num_ranks * self.max_samples, np.int32), self._rank_sharding)
         self._wait_before_launch = jax.default_backend() == "cpu"
         self.caches = None
         self._fns: dict = {}               # bucket -> jitted step
@@ -291,6 +334,19 @@ class ModelRunner:
     def seqs_for(self, bucket: int) -> int:
         return max(min(bucket, self.max_num_seqs), self.min_seqs)
 
+    def samples_for(self, bucket: int) -> int:
+        """Sampling slots of a step: one per sequence slot, or with a speculative target one per row of every
+        verify entry (1 + spec_tokens rows per decode)."""
+        if self.spec_role != "target":
+            return self.seqs_for(bucket)
+        return max(min(bucket, self.max_num_seqs * (self.spec_tokens + 1)), self.min_seqs)
+
+    def new_qbuf(self):
+        """A zeroed draft-distribution buffer [R * q_rows, V] float32 (split over the ranks): the draft's steps write
+        it, the target's verify step reads it."""
+        R, Q, V = self.num_ranks, max(self.q_rows, 1), self.spec.vocab_size
+        return jax.jit(lambda: jnp.zeros((R * Q, V), jnp.float32), out_shardings=self._rank_sharding)()
+
     def _kernel_impl(self, bucket: int) -> str | None:
         if self.matmul_impl == "kernel":
             return "gpu"
@@ -302,20 +358,30 @@ class ModelRunner:
         fn = self._fns.get(bucket)
         if fn is not None:
             return fn
-        st = _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket))
+        st = self._static(bucket)
         layout = self._layout(bucket)
         pspecs = sr.match_rules(self.params, mf.mesh_rules(self.plan))
         cspec = jax.tree.map(lambda _: P(self._bax), self.caches)
         rank = P(self._bax)
-
-        def body(params, caches, ints, floats, prev_M):
-            return _body(params, caches, ints, floats, prev_M, layout=layout, st=st)
-        outs = {k: rank for k in ("tokens", "tokens_M", "token_logprob", "top_logprobs", "top_ids")}
-        smap = jax.shard_map(body, mesh=self.mesh, in_specs=(pspecs, cspec, rank, rank, rank),
-                             out_specs=(outs, cspec), check_vma=False)
-        fn = jax.jit(smap, donate_argnums=(1,), compiler_options=mf.xla_options(self.layout) or None)
+        names = ["tokens", "tokens_M", "token_logprob", "top_logprobs", "top_ids"]
+        names += {"target": ["accepted"], "draft": ["qbuf"]}.get(self.spec_role, [])
+        outs = {k: rank for k in names}
+        donate = (1, 5) if self.spec_role == "draft" else (1,)
+        if self.spec_role is None:
+            def body(params, caches, ints, floats, prev_M):
+                return _body(params, caches, ints, floats, prev_M, layout=layout, st=st)
+            in_specs = (pspecs, cspec, rank, rank, rank)
+        else:
+            def body(params, caches, ints, floats, prev_M, qbuf_QV):
+                return _body(params, caches, ints, floats, prev_M, qbuf_QV, layout=layout, st=st)
+            in_specs = (pspecs, cspec, rank, rank, rank, rank)
+        smap = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=(outs, cspec), check_vma=False)
+        fn = jax.jit(smap, donate_argnums=donate, compiler_options=mf.xla_options(self.layout) or None)
         self._fns[bucket] = fn
         return fn
+
+    def _static(self, bucket: int) -> _StepStatic:
+        return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role)
 
     def _layout(self, bucket: int) -> tuple:
         return self._empty_inputs(bucket).pack()[2]
@@ -327,17 +393,26 @@ class ModelRunner:
     # ---- inputs ---------------------------------------------------------------------------------------------
     def _empty_inputs(self, T: int) -> StepInputs:
         R, S, Pm = self.num_ranks, self.seqs_for(T), self.max_pages
+        U = self.samples_for(T)
         z = lambda *shape: np.zeros((R, *shape), np.int32)   # noqa: E731
-        return StepInputs(z(T), z(T), np.full((R, T), -1, np.int32), z(S, Pm), z(S), z(S + 1), z(S),
-                          np.zeros((R, S), np.float32), z(S), np.ones((R, S), np.float32),
-                          np.zeros((R, S), np.float32), np.zeros((R, S), np.uint32), z(S),
-                          np.full((R, T), -1, np.int32), [], [])
+        return StepInputs(z(T), z(T), np.full((R, T), -1, np.int32), z(S, Pm), z(S), z(S + 1), z(U),
+                          np.zeros((R, U), np.float32), z(U), np.ones((R, U), np.float32),
+                          np.zeros((R, U), np.float32), np.zeros((R, U), np.uint32), z(U),
+                          np.full((R, T), -1, np.int32), [], [], np.full((R, U), -1, np.int32),
+                          np.full((R, U), -1, np.int32))
 
-    def build_inputs(self, entries, sampling, prev_rows=None) -> StepInputs:
+    def build_inputs(self, entries, sampling, prev_rows=None, *, sample_pos=None, verify=None,
+                     q_dst=None) -> StepInputs:
         """entries: list of (token_ids, start, block_table) or (rank, token_ids, start, block_table); sampling: list
         of (temp, top_k, top_p, min_p, seed). prev_rows (overlapped scheduling): per entry, -1, or the entry's row in
         its rank's previous step outputs (`local_rows` of that step) whose token is this entry's one token (its
-        token_ids value is then ignored)."""
+        token_ids value is then ignored).
+
+        Speculative decoding: ``sample_pos`` per entry None or the position whose token it samples (the PRNG's
+        position; default start + len(token_ids)); ``verify`` (target) per entry None or the draft-buffer rows of
+        its drafted tokens token_ids[1:]: every row of such an entry samples (row i checks token_ids[i + 1], the
+        last row samples freely), ``n_rows`` says how many; ``q_dst`` (draft) per entry -1 or the draft-buffer row
+        that stores the distribution its token is drawn from."""
         G = self.page_size
         norm = [e if len(e) == 4 else (0, *e) for e in entries]
         R = self.num_ranks
@@ -349,9 +424,10 @@ class ModelRunner:
         T = self._bucket_for(max(max(per_rank_tokens), 1))
         inp = self._empty_inputs(T)
         S = inp.kv_lens_S.shape[1]
-        t_of, s_of = [0] * R, [0] * R
+        U = inp.sample_rows_S.shape[1]
+        t_of, s_of, u_of = [0] * R, [0] * R, [0] * R
         for n, ((r, ids, start, bt), smp) in enumerate(zip(norm, sampling)):
-            s, t = s_of[r], t_of[r]
+            s, t, u = s_of[r], t_of[r], u_of[r]
             if s >= S:
                 raise ValueError(f"dp rank {r}: more than {S} sequences in a step of {T} tokens")
             k = len(ids)
@@ -365,17 +441,31 @@ class ModelRunner:
             inp.block_tables_SP[r, s, :len(bt)] = bt_arr
             inp.kv_lens_S[r, s] = start + k
             inp.cu_q_lens_S1[r, s + 1] = t + k
-            inp.sample_rows_S[r, s] = t + k - 1
-            inp.sample_pos_S[r, s] = start + k
-            (inp.temperature_S[r, s], inp.top_k_S[r, s], inp.top_p_S[r, s], inp.min_p_S[r, s],
-             inp.seed_S[r, s]) = smp
+            vq = None if verify is None else verify[n]
+            nr = 1 if vq is None else k
+            if vq is not None and len(vq) != k - 1:
+                raise ValueError(f"entry {n}: {len(vq)} draft rows for {k - 1} drafted tokens")
+            if u + nr > U:
+                raise ValueError(f"dp rank {r}: more than {U} sampling rows in a step of {T} tokens")
+            pos0 = start + k if sample_pos is None or sample_pos[n] is None else int(sample_pos[n])
+            rows = slice(u, u + nr)
+            inp.sample_rows_S[r, rows] = np.arange(t + k - nr, t + k)
+            inp.sample_pos_S[r, rows] = np.arange(pos0 - nr + 1, pos0 + 1)
+            for arr, v in zip((inp.temperature_S, inp.top_k_S, inp.top_p_S, inp.min_p_S, inp.seed_S), smp):
+                arr[r, rows] = v
+            if vq is not None:
+                inp.draft_tok_S[r, u:u + nr - 1] = ids[1:]
+                inp.q_row_S[r, u:u + nr - 1] = vq
+            if q_dst is not None:
+                inp.q_row_S[r, u] = q_dst[n]
             if prev_rows is not None and prev_rows[n] >= 0:
                 if k != 1:
                     raise ValueError(f"entry {n} takes its token from the previous step but has {k} tokens")
                 inp.src_T[r, t] = prev_rows[n]
-            inp.rows.append(r * S + s)
-            inp.local_rows.append(s)
-            s_of[r], t_of[r] = s + 1, t + k
+            inp.rows.append(r * U + u)
+            inp.local_rows.append(u)
+            inp.n_rows.append(nr)
+            s_of[r], t_of[r], u_of[r] = s + 1, t + k, u + nr
         for r in range(R):              # padding sequences: empty (cu stays at the rank's token count)
             inp.cu_q_lens_S1[r, s_of[r] + 1:] = t_of[r]
         return inp
@@ -384,7 +474,11 @@ class ModelRunner:
     def _abstract_args(self, bucket: int):
         ints, floats, _ = self._empty_inputs(bucket).pack()
         sd = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rank_sharding)  # noqa: E731
-        return self.params, self.caches, sd(ints), sd(floats), self._no_prev
+        args = (self.params, self.caches, sd(ints), sd(floats), self._no_prev)
+        if self.spec_role is not None:
+            shape = (self.num_ranks * max(self.q_rows, 1), self.spec.vocab_size)
+            args += (jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._rank_sharding),)
+        return args
 
     def precompile(self, buckets=None, workers: int = 8, progress: bool = False) -> float:
         """Compile the step for `buckets` (default: all) ahead of use, several XLA compiles at once; returns the wall
@@ -426,16 +520,17 @@ class ModelRunner:
         dev = self.mesh.devices.flat[0]
         args = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None))),
                             self._abstract_args(bucket))
-        st = _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket))
+        st = self._static(bucket)
         return program_cache.program_key("step", bucket, self._layout(bucket), st, dev.platform,
                                          getattr(dev, "device_kind", ""), dict(self.mesh.shape),
                                          jax.tree.structure(self.params), args, mf.xla_options(self.layout))
 
-    def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False, prev=None) -> dict:
+    def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False, prev=None, qbuf=None) -> dict:
         """Start the step on device (no wait); `packed` = inp.pack()'s arrays; `prev` = the previous launch's outputs
         when `inp.src_T` takes tokens from them (overlapped scheduling). Returns the step's outputs as device arrays
         (logprobs are always computed; `want_logprobs` is accepted for callers and ignored). The KV pools are
-        updated in place."""
+        updated in place. `qbuf`: the draft-distribution buffer (speculative roles; a draft step donates it and
+        returns the new one as out["qbuf"])."""
         ints, floats, _ = inp.pack() if packed is None else packed
         prev_M = self._no_prev if prev is None else prev["tokens_M"]
         if self._wait_before_launch:
@@ -446,20 +541,26 @@ class ModelRunner:
         b = inp.num_tokens
         ints = jax.device_put(ints, self._rank_sharding)
         floats = jax.device_put(floats, self._rank_sharding)
+        args = (self.params, self.caches, ints, floats, prev_M)
+        if self.spec_role is not None:
+            if qbuf is None:
+                raise ValueError(f"a speculative {self.spec_role} step needs the draft-distribution buffer (qbuf)")
+            args += (qbuf,)
         exe = self._compiled.get(b)
         if exe is not None:
-            out, self.caches = exe(self.params, self.caches, ints, floats, prev_M)
+            out, self.caches = exe(*args)
         else:
             if self.ready:
                 log.warning("step program for %d tokens per rank (x%d ranks, %d sequence slots, %d pages per "
                             "sequence) compiles after warm-up", b, self.num_ranks, self.seqs_for(b), self.max_pages)
-            out, self.caches = self._fn(b)(self.params, self.caches, ints, floats, prev_M)
+            out, self.caches = self._fn(b)(*args)
         return out
 
     @staticmethod
     def fetch(out: dict, want_logprobs: bool = True) -> dict[str, np.ndarray]:
         """Wait for a launched step and bring what the host needs (not the padded device-side tokens)."""
         keys = ("tokens", "token_logprob", "top_logprobs", "top_ids") if want_logprobs else ("tokens",)
+        keys += ("accepted",) if "accepted" in out else ()
         return jax.device_get({k: out[k] for k in keys})
 
     def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:

@@ -94,6 +94,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption: str = "recompute"
     reserve_null_page: bool = True
+    # speculative decoding: a decode entry also covers up to this many drafted tokens (tbjax/engine/speculative.py)
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         for name in ("num_pages", "page_size", "dp", "max_num_seqs", "max_num_batched_tokens"):
@@ -104,6 +106,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 1, got {v!r}")
+        if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0:
+            raise ValueError(f"SchedulerConfig.num_speculative_tokens must be an int >= 0, "
+                             f"got {self.num_speculative_tokens!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"SchedulerConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -134,6 +139,9 @@ class ScheduledEntry:
     samples: bool
     is_decode: bool
     from_prev: bool = False  # its one token is the sample of the batch in flight before it (unknown when built)
+    # speculative decoding: a decode entry's tokens are its known last token + up to num_draft drafted ones (not in
+    # seq.token_ids: the engine supplies them); num_tokens = 1 + num_draft, pages and budget cover them all
+    num_draft: int = 0
 
     @property
     def seq_id(self) -> Hashable:
@@ -149,7 +157,7 @@ class ScheduledEntry:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+        return self.seq.token_ids[self.start:self.start + self.num_tokens - self.num_draft]
 
     @property
     def end(self) -> int:
@@ -568,6 +576,8 @@ class Scheduler:
         if len(self._inflight) >= 2:
             raise RuntimeError(f"schedule() called with steps {[b.step for b in self._inflight]} in flight: "
                                "call on_step_done(batch, sampled) for the oldest first")
+        if self._inflight and self.config.num_speculative_tokens:
+            raise RuntimeError("speculative decoding schedules one step at a time (no overlapped scheduling)")
         try:
             return self._schedule(overlapped=bool(self._inflight))
         except _NeedsSync:
@@ -629,15 +639,35 @@ class Scheduler:
                 if victim is seq:
                     return 0
 
-        # 1. decodes, oldest first
-        for seq in list(self._running):
-            if seq.status is not SequenceStatus.RUNNING or \
-                    seq.num_tokens_after_inflight - seq.num_scheduled_tokens != 1 or self._ends_in_flight(seq):
+        # 1. decodes, oldest first. Speculative: each with up to k drafted tokens out of the budget that neither
+        # the other decodes (one token each) nor the prefill chunks of step 2 and 3 want (drafts never delay a prompt)
+        k = cfg.num_speculative_tokens
+        decodes = [s for s in self._running if s.status is SequenceStatus.RUNNING and
+                   s.num_tokens_after_inflight - s.num_scheduled_tokens == 1 and not self._ends_in_flight(s)]
+        spare = budget - len(decodes)
+        if k:
+            for s in self._running:
+                left = s.num_tokens_after_inflight - s.num_scheduled_tokens
+                if s.status is SequenceStatus.RUNNING and left > 1:
+                    spare -= min(left, cfg.chunk_size)
+            if self._waiting and len(self._running) < cfg.max_num_seqs:
+                spare -= min(self._waiting[0].num_tokens, cfg.chunk_size)
+        for seq in decodes:
+            if seq.status is not SequenceStatus.RUNNING:     # preempted for an older one
                 continue
-            if fit(seq, 1):
-                scheduled[seq.seq_id] = ScheduledEntry(seq, seq.num_scheduled_tokens, 1, True, True,
-                                                       from_prev=seq.num_pending_samples > 0)
-                budget -= 1
+            nd = 0
+            if k:
+                nd = min(k, max(spare, 0), seq.max_tokens - seq.num_output_tokens - 1)
+                if self.max_model_len is not None:
+                    nd = min(nd, self.max_model_len - seq.num_tokens - 1)
+                nd = max(nd, 0)
+            got = fit(seq, 1 + nd)
+            if got:
+                nd = got - 1
+                spare -= nd
+                scheduled[seq.seq_id] = ScheduledEntry(seq, seq.num_scheduled_tokens, 1 + nd, True, True,
+                                                       from_prev=seq.num_pending_samples > 0, num_draft=nd)
+                budget -= 1 + nd
         # 2. running prefills, oldest first
         for seq in list(self._running):
             if budget <= 0:
@@ -693,7 +723,12 @@ class Scheduler:
     def on_step_done(self, batch: ScheduledBatch, sampled: Mapping[Hashable, int]) -> list[StepOutput]:
         """Record a finished step: advance computed tokens, cache new full pages, append sampled tokens,
         apply eos / stop tokens / max_tokens. Returns one ``StepOutput`` per sampling entry still alive.
-        Batches in flight are done in the order they were scheduled."""
+        Batches in flight are done in the order they were scheduled.
+
+        Speculative decoding: an entry with drafted tokens (``num_draft``) takes a list: the accepted drafts and
+        the token sampled after them (1 .. 1 + num_draft tokens). Only the accepted positions' KV counts as
+        computed (the rejected ones are rolled back: pages past the computed ones are freed), and the tokens are
+        appended one by one, the first that ends the request (eos, stop token, max_tokens) ending the list."""
         if not self._inflight or batch is not self._inflight[0]:
             raise RuntimeError("on_step_done() got a batch that is not the oldest one in flight "
                                "(call schedule(), then on_step_done() with its batch)")
@@ -713,13 +748,20 @@ class Scheduler:
             if not e.samples:
                 raise ValueError(f"sampled token for {sid!r}, whose entry in step {batch.step} is an "
                                  "intermediate prefill chunk (it does not sample)")
-            try:
-                t = operator.index(tok)
-            except TypeError:
-                t = -1
-            if isinstance(tok, bool) or t < 0:
-                raise ValueError(f"sampled token for {sid!r} must be a non-negative int, got {tok!r}")
-            tokens[sid] = t
+            run = list(tok) if isinstance(tok, (list, tuple)) else [tok]
+            if not 1 <= len(run) <= 1 + e.num_draft:
+                raise ValueError(f"{len(run)} tokens for {sid!r}, whose entry in step {batch.step} yields "
+                                 f"1..{1 + e.num_draft}")
+            ts = []
+            for x in run:
+                try:
+                    t = operator.index(x)
+                except TypeError:
+                    t = -1
+                if isinstance(x, bool) or t < 0:
+                    raise ValueError(f"sampled token for {sid!r} must be a non-negative int, got {x!r}")
+                ts.append(t)
+            tokens[sid] = ts
         for sid, e in live.items():
             if e.samples and sid not in tokens:
                 raise ValueError(f"no sampled token for {sid!r}, whose entry in step {batch.step} samples")
@@ -729,14 +771,19 @@ class Scheduler:
             seq = e.seq
             if seq.num_computed_tokens != e.start:
                 raise RuntimeError(f"{sid!r}: computed {seq.num_computed_tokens} tokens but entry starts at {e.start}")
-            seq.num_computed_tokens = e.end
+            end = e.end
+            if e.num_draft and sid in tokens:       # accepted drafts' KV only; pages past it are freed
+                end = e.start + len(tokens[sid])
+                self._trim_pages(seq, end)
+            seq.num_computed_tokens = end
             seq.num_inflight_tokens -= e.num_tokens
             seq.num_pending_samples -= e.samples
             r = self.ranks[seq.dp_rank]
+            known = seq.token_ids + (tokens[sid][:-1] if e.num_draft and sid in tokens else [])
             if r.cache is not None:
                 node = seq._cache_node or r.cache.root
-                if e.end // g > node.depth:
-                    new = r.cache.insert(node, seq.token_ids[:e.end], seq.block_table)
+                if end // g > node.depth:
+                    new = r.cache.insert(node, known[:end], seq.block_table)
                     if new is not node:
                         if node is r.cache.root:
                             r.cache.lock(new)
@@ -745,18 +792,35 @@ class Scheduler:
                         seq._cache_node = new
             if not e.samples:
                 continue
-            tok = tokens[sid]
-            seq.token_ids.append(tok)
-            reason = seq.check_stop(tok)
-            if reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                if reason is FinishReason.STOP:
-                    seq.stop_token_id = tok
-                self._finish(seq, reason)
-            outputs.append(StepOutput(sid, [tok], reason is not None, reason, seq.stop_token_id,
+            new, reason = [], None
+            for tok in tokens[sid]:
+                seq.token_ids.append(tok)
+                new.append(tok)
+                reason = seq.check_stop(tok)
+                if reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    if reason is FinishReason.STOP:
+                        seq.stop_token_id = tok
+                    self._finish(seq, reason)
+                    break
+            outputs.append(StepOutput(sid, new, reason is not None, reason, seq.stop_token_id,
                                       seq.num_output_tokens))
         return outputs
+
+    def _trim_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the pages of ``seq`` past those ``num_tokens`` positions fill (rejected speculative positions);
+        under ``preemption="never"`` they return to its reservation."""
+        keep = _cdiv(num_tokens, self.page_size)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return
+        del seq.block_table[keep:]
+        r = self.ranks[seq.dp_rank]
+        r.allocator.decref_all(extra)
+        if self.config.preemption == "never":
+            seq._reserved_pages += len(extra)
+            r.reserved += len(extra)
 
     # -- counters and checks --------------------------------------------------------------------------
     def stats(self) -> dict:

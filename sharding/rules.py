@@ -100,11 +100,14 @@ def decode_rules(expert_axes: Sequence[str], attn_axes: Sequence[str]) -> list[R
       groups/<g>/we_*       routed experts [L, E, ...]: E split over expert_axes
       groups/<g>/we_*/<l>   the same as per-layer buffers [E, ...]
       everything else       replicated (embeddings, head, norms, routers, dense and shared-expert FFNs)
+    A quantized weight's leaves (<param>/q, /scale, /zero: codes, scales, zero points with the weight's leading
+    axes) follow the weight's rule.
     """
     ea, aa = _ax(expert_axes), _ax(attn_axes)
+    qleaf = r"(/(q|scale|zero))?$"
     return [
         (r"^attn_packed$", P(None, aa)),
-        (r"^groups/[^/]+/we_(gate|up|down)$", P(None, ea)),
-        (r"^groups/[^/]+/we_(gate|up|down)/\d+$", P(ea)),
+        (r"^groups/[^/]+/we_(gate|up|down)" + qleaf, P(None, ea)),
+        (r"^groups/[^/]+/we_(gate|up|down)/\d+" + qleaf, P(ea)),
         (r".*", P()),
     ]

@@ -15,6 +15,11 @@ Layout (static, `MeshPlan`), the parameter tree of the model with two changes:
   * routed experts [L_g, E, ...] (or per-layer [E, ...] buffers) are split over `layout.expert_axes`;
 everything else replicated (`mesh_rules`). Tokens (requests) are split over `layout.batch_axes`.
 
+Quantized weights (tbjax/model/quant.py) stay quantized on the mesh (their codes, scales and zeros are placed like the
+weight: routed experts split over E), except the attention weights of a packed plan: the packed layout is the
+plan's (bf16) and does not know the checkpoint's format, so they are dequantized into the buffer (1/N per device);
+fp8 ones keep their own block scales on an fp8 wire (lossless round trip, sharding/packed.py).
+
 Restrictions (refused with MeshMismatch): tp = pp = 1; expert_axes and attn_axes must be subsets of batch_axes
 (each device's tokens are its own, so results never need to be re-replicated); one attention kind for all layers
 when attention is packed (one packed layout).
@@ -35,6 +40,7 @@ from sharding.mesh import DecodeLayout, MeshMismatch, axes_size, check_decode_fi
 from sharding.prefetch import gather_buffer
 from tbjax.model.kinds import ATTENTION_KINDS
 from tbjax.model.moe import EPContext
+from tbjax.model.quant import QuantizedWeight, dequantize
 from tbjax.model.transformer import LoopContext, forward_dense, layer_plan
 from tbjax.spec import ModelSpec
 
@@ -107,8 +113,19 @@ def stack_attention(params, plan: MeshPlan, fp8_scales=None):
     spec = plan.spec
     lp = layer_plan(spec)
     names = plan.attn_pack.names
-    out = {n: jnp.stack([params["groups"][g][n][j] for (g, _a, _f, j) in lp]) for n in names}
+
+    def layer_w(g, n, j):
+        w = params["groups"][g][n][j]
+        return dequantize(w, plan.attn_pack.entry(n).dtype) if isinstance(w, QuantizedWeight) else w
+    out = {n: jnp.stack([layer_w(g, n, j) for (g, _a, _f, j) in lp]) for n in names}
     scales = {}
+    if plan.layout.attn_wire == "fp8":          # fp8 weights travel with their own scales (exact round trip)
+        for n in names:
+            e = plan.attn_pack.entry(n)
+            ws = [params["groups"][g][n][j] for (g, _a, _f, j) in lp]
+            if e.encoding == "fp8_block" and all(isinstance(w, QuantizedWeight) and w.fmt == "fp8" and
+                                                 w.block == tuple(e.block) for w in ws):
+                scales[n] = jnp.stack([w.materialize().scale for w in ws])
     if fp8_scales is not None and plan.layout.attn_wire == "fp8":
         blk = tuple(fp8_scales["block"])
         for n in names:
@@ -116,7 +133,7 @@ def stack_attention(params, plan: MeshPlan, fp8_scales=None):
             if e.encoding != "fp8_block":
                 continue
             per = [fp8_scales["groups"].get(g, {}).get(n) for (g, _a, _f, _j) in lp]
-            if all(s is not None for s in per) and blk == e.block:
+            if n not in scales and all(s is not None for s in per) and blk == e.block:
                 scales[n] = jnp.stack([jnp.asarray(per[i][j]) for i, (_g, _a, _f, j) in enumerate(lp)])
     return out, scales
 

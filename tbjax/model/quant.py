@@ -69,7 +69,10 @@ class QuantizedWeight:
     def __init__(self, q, scale, zero=None, *, fmt: str, block: tuple[int, ...], shape: tuple[int, ...],
                  dtype="bfloat16", index: int | None = None):
         self.q, self.scale, self.zero = q, scale, zero
-        self.fmt, self.block, self.shape = fmt, tuple(int(b) for b in block), tuple(int(s) for s in shape)
+        self.fmt, self.block = fmt, tuple(int(b) for b in block)
+        # the logical shape is read from the codes (so that a shard inside shard_map knows its own shape); only the
+        # last axis, halved by int4 packing and never sharded, is kept
+        self.last = int(shape[-1])
         self.dtype = jnp.dtype(dtype)
         # index: this weight is entry `index` of the leading axis of the stacked leaves it holds (a view: see
         # __getitem__); None: the leaves are this weight's own
@@ -80,7 +83,7 @@ class QuantizedWeight:
         ch = [(jax.tree_util.GetAttrKey("q"), self.q), (jax.tree_util.GetAttrKey("scale"), self.scale)]
         if self.zero is not None:
             ch.append((jax.tree_util.GetAttrKey("zero"), self.zero))
-        return ch, (self.fmt, self.block, self.shape, self.dtype.name, self.zero is not None, self.index)
+        return ch, (self.fmt, self.block, self.last, self.dtype.name, self.zero is not None, self.index)
 
     def tree_flatten(self):
         ch, aux = self.tree_flatten_with_keys()
@@ -88,12 +91,19 @@ class QuantizedWeight:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        fmt, block, shape, dtype, has_zero, index = aux
+        fmt, block, last, dtype, has_zero, index = aux
         q, scale = children[0], children[1]
         zero = children[2] if has_zero else None
-        return cls(q, scale, zero, fmt=fmt, block=block, shape=shape, dtype=dtype, index=index)
+        return cls(q, scale, zero, fmt=fmt, block=block, shape=(last,), dtype=dtype, index=index)
 
     # array-like
+    @property
+    def shape(self) -> tuple[int, ...]:
+        qs = tuple(int(n) for n in self.q.shape)
+        if self.index is not None:
+            qs = qs[1:]
+        return (*qs[:-1], self.last)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

@@ -42,8 +42,12 @@ def save(path: str, spec: ModelSpec, params, tokenizer_meta: dict | None = None)
     from sharding.rules import path_str
     from tbjax.model.quant import QuantizedWeight, describe, params_dtype
 
+    # quantized weights are saved as plain {q, scale, zero} dicts (orbax sees only dicts and arrays)
+    plain = jax.tree.map(lambda w: {k: v for k, v in (("q", w.q), ("scale", w.scale), ("zero", w.zero))
+                                    if v is not None} if isinstance(w, QuantizedWeight) else w, params,
+                         is_leaf=lambda x: isinstance(x, QuantizedWeight))
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.join(path, "params"), params, force=True)
+        ckpt.save(os.path.join(path, "params"), plain, force=True)
     quant = {path_str(kp): describe(w) for kp, w in jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0] if isinstance(w, QuantizedWeight)}
     qfile = os.path.join(path, QUANT_FILE)
@@ -112,11 +116,19 @@ def restore(path: str, shardings=None, dtype=None, weight_dtype: str = "auto"):
         if isinstance(shardings, jax.sharding.Sharding):
             shardings = jax.tree.map(lambda _: shardings, abstract)
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    isq = lambda x: isinstance(x, QuantizedWeight)   # noqa: E731
+    plain = jax.tree.map(lambda w: {k: v for k, v in (("q", w.q), ("scale", w.scale), ("zero", w.zero))
+                                    if v is not None} if isq(w) else w, abstract, is_leaf=isq)
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore(os.path.join(path, "params"), abstract)
+            restored = ckpt.restore(os.path.join(path, "params"), plain)
     except Exception as e:
         raise WeightLoadError(f"{path}: cannot restore params: {type(e).__name__}: {e}") from None
+    leaves, treedef = jax.tree_util.tree_flatten(abstract, is_leaf=isq)
+    rleaves = jax.tree_util.tree_flatten(restored, is_leaf=lambda x: isinstance(x, dict) and "q" in x)[0]
+    params = jax.tree_util.tree_unflatten(treedef, [
+        QuantizedWeight(r["q"], r["scale"], r.get("zero"), fmt=a.fmt, block=a.block, shape=a.shape, dtype=a.dtype)
+        if isq(a) else r for a, r in zip(leaves, rleaves)])
     if weight_dtype in FORMATS:
         params = quantize_tree(params, weight_dtype)
     elif weight_dtype in ("bf16", "float32"):

@@ -58,6 +58,7 @@ import numpy as np
 from tbjax.engine.kv_cache import KVCacheConfig
 from tbjax.engine.page_allocator import PageAllocator
 from tbjax.engine.request import SequenceStatus
+from tbjax.model.quant import params_dtype
 from tbjax.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class SpeculativeDecoder:
         ec = engine.config
         target = engine.runner
         self.page_size = G = ec.page_size
-        self.spec, params = resolve_draft(cfg, engine.spec, engine.tokenizer, str(engine.params["embed"].dtype))
+        self.spec, params = resolve_draft(cfg, engine.spec, engine.tokenizer, params_dtype(engine.params))
         self.self_draft = params is None
         self.ring = cfg.ring_pages(G)
         self.max_append = ahead_positions(self.k) + 1

@@ -5,9 +5,6 @@ random models, transformers' own greedy continuations on the real default model 
 exact distribution of the next three tokens computed from dense float32 logits in float64 (a chi-square test that
 must also reject a deliberately wrong acceptance rule).
 """
-import itertools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -108,8 +105,9 @@ def test_greedy_under_preemption(model, spec_engine):
 
 
 def test_draft_ring_stays_constant_over_a_long_generation(model, spec_engine):
-    """One request generating 280 tokens: the draft's window slides over ~70 logical pages, yet the sequence holds exactly one ring of pages at every step, the output equals the reference, and
-    every draft and target page is free at the end."""
+    """One request generating 280 tokens: the draft's window slides over ~70 logical pages, yet the sequence holds
+    exactly one ring of pages at every step, the output equals the reference, and every draft and target page is
+    free at the end."""
     spec, params = model
     sd = spec_engine.spec_decoder
     assert sd.ring == ring_pages(8, 4, 3) == 3
@@ -125,6 +123,30 @@ def test_draft_ring_stays_constant_over_a_long_generation(model, spec_engine):
             assert sd.allocators[0].num_used == sd.ring
     assert len(out) == n and set(held) == {sd.ring} and len(held) > 50
     assert out == reference_greedy(spec, params, prompt, n)
+    assert_no_leaks(spec_engine)
+
+
+def test_decode_side_of_disaggregation_builds_the_draft_from_the_prompt(model, spec_engine):
+    """A request whose prompt KV arrives from a prefill engine (here the same engine: prefill_only, export_kv,
+    reserve_kv, write_kv_pages, add_prefilled_request): the decode side has no draft KV, builds the draft's window
+    from the prompt's last tokens, and the tokens are the reference's."""
+    spec, params = model
+    prompt = PROMPTS[3]
+    spec_engine.add_request("pre", prompt, SamplingParams.greedy(1, ignore_eos=True), prefill_only=True)
+    while spec_engine.has_unfinished():
+        spec_engine.step()
+    kv = spec_engine.export_kv("pre")
+    spec_engine.reserve_kv("dec", kv.num_tokens)
+    spec_engine.write_kv_pages("dec", kv.pages, kv.scales)
+    spec_engine.add_prefilled_request("dec", prompt, kv.first_token, SamplingParams.greedy(12, ignore_eos=True))
+    rebuilds = spec_engine.spec_decoder.num_rebuilds
+    got = []
+    while spec_engine.has_unfinished():
+        for o in spec_engine.step():
+            got += o.new_token_ids
+    want = reference_greedy(spec, params, prompt, 12)
+    assert [kv.first_token] + got == want
+    assert spec_engine.spec_decoder.num_rebuilds == rebuilds + 1
     assert_no_leaks(spec_engine)
 
 

@@ -69,7 +69,7 @@ class DevicePagePool:
         self._lock = threading.Lock()
 
     def reserve(self, n, request_id=""):
-        from serving.kv_transfer import OutOfPages
+        from serving.kv_pool import OutOfPages
         with self._lock:
             if n > len(self._free):
                 raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
@@ -99,7 +99,8 @@ def receiver_main(a):
 
     import grpc
 
-    from serving.kv_transfer import CODECS, KVReceiver, SplitZipCodec, kv_service_handler, register_codec
+    from serving.kv_codecs import CODECS, SplitZipCodec, register_codec
+    from serving.kv_transfer import KVReceiver, kv_service_handler
     from tbjax.engine.kv_pages import chunk_checksums
     import jax
 
@@ -396,7 +397,7 @@ def main():
     import ml_dtypes  # noqa: F401
 
     from serving import kv_shm
-    from serving.kv_transfer import SplitZipCodec, register_codec
+    from serving.kv_codecs import SplitZipCodec, register_codec
 
     register_codec(SplitZipCodec())
     dev = jax.devices()[0]

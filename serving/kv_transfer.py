@@ -14,17 +14,17 @@ A completed transfer hands the pages to ``on_ready(request_id, page_ids, num_tok
 ``on_failed(request_id, reason)`` so the owner (a decode worker / router) can fail the request (UNAVAILABLE)
 or retry it.
 
-The page store is behind ``PagePool`` (reserve / write / free). ``ArrayPagePool`` is a numpy one for tests and
-for CPU workers; the engine's KV cache implements the same three methods (via its engine thread) when it
-can import pages. Codecs are behind ``Codec``: ``raw`` is always there; ``SplitZipCodec`` (the exponent-split
-codec) is registered with ``register_codec(SplitZipCodec(codebook))`` by a worker that wants it, and the two
-sides agree on a codec at Announce.
+The page store is behind ``PagePool`` (``serving/kv_pool.py``: reserve / write / free; ``ArrayPagePool`` is a numpy
+one for tests and CPU workers, the engine's KV cache implements the same methods through its engine thread). Codecs
+are behind ``Codec`` (``serving/kv_codecs.py``: ``raw`` always, ``SplitZipCodec`` when registered); the two sides
+agree on one at Announce.
 
 Same host: a receiver built with ``shm_bytes > 0`` owns a shared-memory arena (``serving/kv_shm.py``); a sender on
 the same host (equal ``host_id``) that offers ``shm`` is granted a region at Announce and copies the pages there
 (device -> pinned host DMA with the ``cupy`` copier); the chunks then carry only the page range and a 64-bit
 device-side checksum (``in_shm``). The handshake, timeouts, and failure handling are the same; the region is
 freed with the reservation. A sender that cannot map the region sends the pages in the payload instead.
+The sender's half of the same-host planes (mappings, device checksums, copiers) is ``serving/kv_same_host.py``.
 GPU processes on one host go device to device instead when the receiver has ``ipc_bytes > 0``: a region of its
 CUDA IPC staging buffer (``in_ipc`` chunks); a sender that cannot open it falls back to shm, then to the payload.
 On both same-host paths the sender queues every chunk's copy at once and sends each control message when its copy is
@@ -44,146 +44,24 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
 
 from pallas_kernels.utils import next_pow2, prev_pow2
 
-from . import kv_shm
+from . import kv_same_host, kv_shm
+from .kv_codecs import CODECS, np_dtype
+from .kv_pool import PagePool
 from .api import lenient_deserializer
 from .proto import tbjax_kv_v1_pb2 as kvpb
 
-__all__ = ["Codec", "RawCodec", "SplitZipCodec", "register_codec", "CODECS", "PagePool", "ArrayPagePool", "OutOfPages",
-           "KVReceiver", "KVSender", "TransferError", "kv_service_handler", "np_dtype", "KV_SERVICE_NAME"]
+__all__ = ["KVReceiver", "KVSender", "TransferError", "SendStats", "kv_service_handler", "host_pages", "KV_SERVICE_NAME"]
 
 log = logging.getLogger(__name__)
 
 KV_SERVICE_NAME = kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name   # "tbjax.kv.v1.KVTransfer"
-
-
-def np_dtype(name: str) -> np.dtype:
-    """numpy dtype from its name, including the ml_dtypes ones (bfloat16, float8_*)."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-        t = getattr(ml_dtypes, name, None)
-        if t is None:
-            raise ValueError(f"unknown dtype {name!r}") from None
-        return np.dtype(t)
-
-
-# -- codecs ----------------------------------------------------------------------------------------------------
-class Codec(Protocol):
-    name: str
-
-    def encode(self, pages: np.ndarray) -> bytes: ...
-
-    def decode(self, payload: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray: ...
-
-
-class RawCodec:
-    """No compression: the pages' bytes as they are (C order)."""
-
-    name = "raw"
-
-    def encode(self, pages: np.ndarray) -> bytes:
-        return np.ascontiguousarray(pages).tobytes()
-
-    def decode(self, payload: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        n = int(np.prod(shape)) * dtype.itemsize
-        if len(payload) != n:
-            raise ValueError(f"raw payload has {len(payload)} bytes, {n} expected for {shape} {dtype}")
-        return np.frombuffer(payload, dtype=dtype).reshape(shape)
-
-
-class SplitZipCodec:
-    """The exponent-split lossless codec (pallas_kernels.splitzip): ~4/3 smaller bf16 KV. The codebook
-    travels inside each chunk's frame, so the receiver needs no calibration of its own."""
-
-    name = "splitzip"
-
-    def __init__(self, codebook=None, impl: str = "auto"):
-        from pallas_kernels import splitzip
-
-        self._sz = splitzip
-        self.codebook = codebook
-        self.impl = impl
-
-    def encode(self, pages: np.ndarray) -> bytes:
-        cb = self.codebook or self._sz.default_codebook(pages.dtype.name)
-        return self._sz.encode_pages([pages], cb, self.impl)
-
-    def decode(self, payload: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        out = self._sz.decode_pages(payload, None, self.impl)
-        if len(out) != 1:
-            raise ValueError(f"splitzip frame holds {len(out)} arrays, 1 expected")
-        arr = np.asarray(out[0])
-        if arr.dtype != dtype or arr.shape != tuple(shape):
-            raise ValueError(f"splitzip frame holds {arr.shape} {arr.dtype}, {tuple(shape)} {dtype} expected")
-        return arr
-
-
-CODECS: dict[str, Codec] = {"raw": RawCodec()}
-
-
-def register_codec(codec: Codec) -> None:
-    """Make a codec available to senders and receivers by its name (e.g. ``register_codec(SplitZipCodec())``)."""
-    CODECS[codec.name] = codec
-
-
-# -- page pools ------------------------------------------------------------------------------------------------
-class OutOfPages(RuntimeError):
-    pass
-
-
-class PagePool(Protocol):
-    # reserve and write may also be coroutines (a pool behind an engine thread)
-    def reserve(self, n: int, request_id: str = "") -> list[int]: ...   # raises OutOfPages when it cannot
-
-    # pages: [>= len(page_ids), *page_shape] (rows past len(page_ids) are padding); scales likewise or None
-    def write(self, page_ids: Sequence[int], pages, scales=None) -> None: ...
-
-    def free(self, page_ids: Sequence[int]) -> None: ...
-
-
-class ArrayPagePool:
-    """A numpy page store ``[P, *page_shape]`` with a free list (tests, CPU workers)."""
-
-    def __init__(self, num_pages: int, page_shape: Sequence[int], dtype="float32", scales_shape=None):
-        self.dtype = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-        self.data = np.zeros((num_pages, *page_shape), self.dtype)
-        self.scales = None if scales_shape is None else np.zeros((num_pages, *scales_shape), np.float32)
-        self._free = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_pages(self) -> int:
-        return self.data.shape[0]
-
-    def reserve(self, n: int, request_id: str = "") -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"{n} pages wanted, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def write(self, page_ids, pages, scales=None) -> None:
-        ids = np.asarray(page_ids)
-        self.data[ids] = np.asarray(pages)[:len(ids)]
-        if scales is not None:
-            if self.scales is None:
-                raise ValueError("this pool keeps no scales")
-            self.scales[ids] = np.asarray(scales)[:len(ids)]
-
-    def free(self, page_ids) -> None:
-        dup = set(page_ids) & set(self._free)
-        if dup:
-            raise RuntimeError(f"double free of pages {sorted(dup)[:5]}")
-        self._free.extend(page_ids)
 
 
 # -- decode side -----------------------------------------------------------------------------------------------
@@ -641,20 +519,6 @@ class SendStats:
     extra: dict = field(default_factory=dict)
 
 
-_MAPPINGS: dict[str, kv_shm.ShmMapping] = {}     # receivers' segments this process has mapped (sender side)
-
-
-def _mapping(name: str) -> kv_shm.ShmMapping:
-    m = _MAPPINGS.get(name)
-    if m is None:
-        for old, om in list(_MAPPINGS.items()):     # segments of receivers that went away: unmap (frees the RAM)
-            if not os.path.exists(om.path):
-                om.close()
-                del _MAPPINGS[old]
-        m = _MAPPINGS[name] = kv_shm.ShmMapping(name)
-    return m
-
-
 def host_pages(pages, n: int) -> np.ndarray:
     """Rows [0, n) of ``pages`` on the host (a device array goes through pinned host memory when it can)."""
     if isinstance(pages, np.ndarray):
@@ -672,15 +536,13 @@ class KVSender:
     the receiver's shared memory when it grants a region, else in the chunks' payload)."""
 
     def __init__(self, channel: grpc.aio.Channel, *, codecs: Sequence[str] = ("raw",), chunk_pages: int = 16,
-                 timeout_s: float = 30.0, metrics=None, stall_after_chunks: int | None = None,
-                 stall_s: float = 3600.0, shm: bool = True, copier: str | kv_shm.HostCopier = "auto",
+                 timeout_s: float = 30.0, metrics=None, shm: bool = True, copier: str | kv_shm.HostCopier = "auto",
                  ipc: bool = True, fast_chunk_bytes: int = 64 << 20, fast_min_chunk_bytes: int = 8 << 20,
                  fast_chunks: int = 16, one_call: bool = False):
         """``chunk_pages``: pages per chunk in the gRPC stream. Through shared memory a transfer is cut into about
         ``fast_chunks`` chunks of ``fast_min_chunk_bytes``..``fast_chunk_bytes`` (pipelining the two copies); through
         CUDA IPC it is one chunk (see ``fast_chunk_pages``). ``one_call``: announce and chunks on one ``Transfer``
         call (one RPC set-up instead of two; same checks and failure handling; off until measured on a GPU)."""
-        self.stall_after_chunks, self.stall_s = stall_after_chunks, stall_s
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:
             raise ValueError(f"unknown codecs {unknown}; registered: {sorted(CODECS)}")
@@ -703,15 +565,18 @@ class KVSender:
     @property
     def copier(self) -> kv_shm.HostCopier:
         if isinstance(self._copier, str):
-            self._copier = _copier_named(self._copier)
+            self._copier = kv_same_host.copier_named(self._copier)
         return self._copier
 
     async def _chunks_async(self, reservation_id: str, codec: str, pages, scales=None, n: int | None = None):
         for i, chunk in enumerate(self.chunks(reservation_id, codec, pages, scales, n)):
-            if self.stall_after_chunks is not None and i == self.stall_after_chunks:
-                await asyncio.sleep(self.stall_s)     # test hook: a sender that hangs mid-transfer
+            await self.before_chunk(i)
             yield chunk
             await asyncio.sleep(0)
+
+    async def before_chunk(self, index: int) -> None:
+        """Called before chunk ``index`` of a transfer leaves (any data plane); nothing here. Subclasses use it to
+        pace or to fail a transfer on purpose (``serving.testing.StallingSender``)."""
 
     def _scales_fields(self, scales, first: int, m: int) -> dict:
         if scales is None:
@@ -756,8 +621,7 @@ class KVSender:
         firsts = list(range(0, n, c))
         waits = [start(first, min(c, n - first), region + first * row_bytes) for first in firsts]
         for j, first in enumerate(firsts):
-            if self.stall_after_chunks is not None and j == self.stall_after_chunks:
-                await asyncio.sleep(self.stall_s)
+            await self.before_chunk(j)
             m = min(c, n - first)
             ready = getattr(waits[j], "ready", None)
             if ready is not None and ready():
@@ -811,11 +675,11 @@ class KVSender:
         if self.shm:    # queued before the announce (no reservation waits on it, or on its compile), read after it
             sizes = {c_shm, c_ipc} if ipc else {c_shm}
             keys = {(tuple(pages.shape), np.dtype(pages.dtype).name, c) for c in sizes}
-            if keys <= _CHECKSUMS_COMPILED:      # a dispatch (~0.1 ms): inline, no thread hop
-                pending = _start_checksums(pages, n, sizes)
+            if keys <= kv_same_host.CHECKSUMS_COMPILED:      # a dispatch (~0.1 ms): inline, no thread hop
+                pending = kv_same_host.start_checksums(pages, n, sizes)
             else:                                # may compile: off the event loop
-                pending = await asyncio.to_thread(_start_checksums, pages, n, sizes)
-                _CHECKSUMS_COMPILED.update(keys)
+                pending = await asyncio.to_thread(kv_same_host.start_checksums, pages, n, sizes)
+                kv_same_host.CHECKSUMS_COMPILED.update(keys)
             marks["checksums_queued"] = time.perf_counter() - t0
         announce = kvpb.AnnounceRequest(
             request_id=request_id, num_pages=n, num_tokens=num_tokens,
@@ -852,15 +716,15 @@ class KVSender:
         if ann.ipc_handle and c_ipc in pending:
             try:
                 ptr = kv_shm.open_ipc(ann.ipc_handle)
-                sums = await _checksums_when_ready(pending[c_ipc], n, c_ipc)
+                sums = await kv_same_host.checksums_when_ready(pending[c_ipc], n, c_ipc)
                 marks["sums_read"] = time.perf_counter() - t0
                 chunks = self._ipc_chunks(ann, pages, scales, n, ptr, sums)
             except Exception as e:  # noqa: BLE001 - cannot open it: shared memory or the byte stream
                 log.warning("CUDA IPC buffer not usable (%s: %s): trying shared memory", type(e).__name__, e)
         if chunks is None and ann.shm_name and c_shm in pending:
             try:
-                seg = _mapping(ann.shm_name)
-                sums = await _checksums_when_ready(pending[c_shm], n, c_shm)
+                seg = kv_same_host.mapping(ann.shm_name)
+                sums = await kv_same_host.checksums_when_ready(pending[c_shm], n, c_shm)
                 marks["sums_read"] = time.perf_counter() - t0
                 chunks = self._shm_chunks(ann, pages, scales, n, seg, sums)
             except Exception as e:  # noqa: BLE001 - cannot map it: the byte stream still works
@@ -904,36 +768,3 @@ async def _drain(request_iterator, timeout_s: float) -> None:
         await asyncio.wait_for(rest(), timeout_s)
     except Exception:  # noqa: BLE001 - the stream may already be broken or cancelled: nothing left to drain
         pass
-
-
-def _start_checksums(pages, n: int, chunk_sizes) -> dict:
-    """Queue the checksum programs of ``pages``' first ``n`` rows for each chunk size (not waited for)."""
-    from tbjax.engine.kv_pages import _chunk_checksums
-
-    return {c: _chunk_checksums(pages, np.int32(n), chunk_pages=int(c)) for c in chunk_sizes}
-
-
-_CHECKSUMS_COMPILED: set = set()     # (rows shape, dtype, chunk pages) whose checksum program exists
-
-
-async def _checksums_when_ready(ab, n: int, c: int) -> list[int]:
-    if not hasattr(ab, "is_ready") or ab.is_ready():
-        return _read_checksums(ab, n, c)
-    return await asyncio.to_thread(_read_checksums, ab, n, c)
-
-
-def _read_checksums(ab, n: int, c: int) -> list[int]:
-    import jax
-
-    ab = np.asarray(jax.device_get(ab)).astype(np.uint64)
-    return [(int(b) << 32) | int(a) for a, b in ab[:-(-n // c)]]
-
-
-_COPIER_CACHE: dict[str, kv_shm.HostCopier] = {}
-
-
-def _copier_named(name: str) -> kv_shm.HostCopier:
-    c = _COPIER_CACHE.get(name)
-    if c is None:
-        c = _COPIER_CACHE[name] = kv_shm.make_copier(name)
-    return c

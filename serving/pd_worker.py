@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import logging
 import os
 import time
+from typing import Callable
 
 import grpc
 
 from .engine_loop import EngineLoop, RequestStream
-from .kv_transfer import CODECS, KVReceiver, KVSender, SplitZipCodec, TransferError, kv_service_handler, register_codec
+from .kv_codecs import CODECS, SplitZipCodec, register_codec
+from .kv_transfer import KVReceiver, KVSender, TransferError, kv_service_handler
 
 __all__ = ["PD_SERVICE", "PrefillService", "DecodeService", "EnginePagePool", "worker_handler", "dumps", "loads",
            "params_to_dict", "kv_codecs_for", "page_layout"]
@@ -39,8 +42,25 @@ __all__ = ["PD_SERVICE", "PrefillService", "DecodeService", "EnginePagePool", "w
 log = logging.getLogger(__name__)
 
 PD_SERVICE = "tbjax.pd.v1.Worker"
-STALL_ENV = "TBJAX_PD_TEST_STALL_PREFIX"    # test hook: transfers of requests whose id starts with it hang after
-#                                             one chunk (so a test can kill the prefill process mid-transfer)
+SENDER_FACTORY_ENV = "TBJAX_KV_SENDER_FACTORY"   # "module:name" of a sender factory (default_sender's signature)
+
+
+def default_sender(request_id: str, channel: grpc.aio.Channel, **kwargs) -> KVSender:
+    """The ``KVSender`` that moves one request's KV (``kwargs``: KVSender's). A prefill service takes another
+    factory of this signature (``sender_factory=``, or named by $TBJAX_KV_SENDER_FACTORY in a worker process): tests
+    inject senders that stall or fail mid-transfer this way (``serving.testing.stalling_sender``)."""
+    return KVSender(channel, **kwargs)
+
+
+def sender_factory_from_env() -> Callable[..., KVSender]:
+    name = os.environ.get(SENDER_FACTORY_ENV)
+    if not name:
+        return default_sender
+    mod, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"${SENDER_FACTORY_ENV}={name!r}: cannot load it ({e})") from None
 
 
 def dumps(obj) -> bytes:
@@ -141,13 +161,13 @@ class PrefillService(_Base):
     """``Prefill``: compute a prompt, answer its first token, push its KV to a decode worker."""
 
     def __init__(self, engine_loop: EngineLoop, make_params, *, timeout_s: float = 30.0, chunk_pages: int = 16,
-                 shm: bool = True, copier: str = "auto"):
+                 shm: bool = True, copier: str = "auto", sender_factory: Callable[..., KVSender] | None = None):
         super().__init__(engine_loop, make_params, timeout_s)
+        self.sender_factory = sender_factory or sender_factory_from_env()
         self.chunk_pages, self.shm, self.copier = chunk_pages, shm, copier
         self.dtype, self.page_shape = page_layout(engine_loop.engine)
         self.codecs = kv_codecs_for(self.dtype)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.stall_prefix = os.environ.get(STALL_ENV) or None
         self.last_stats = None
 
     def _channel(self, target: str) -> grpc.aio.Channel:
@@ -183,11 +203,8 @@ class PrefillService(_Base):
         finally:
             if not exported:     # the held pages go back (done, refused, or the router went away)
                 self.engine_loop.abort(rid)
-        stall = bool(self.stall_prefix and rid.startswith(self.stall_prefix))
-        sender = KVSender(self._channel(target), codecs=self.codecs, chunk_pages=self.chunk_pages,
-                          timeout_s=self.timeout_s, shm=self.shm, copier=self.copier,
-                          stall_after_chunks=1 if stall else None,
-                          **({"fast_chunk_bytes": 0} if stall else {}))    # the hook needs several chunks
+        sender = self.sender_factory(rid, self._channel(target), codecs=self.codecs, chunk_pages=self.chunk_pages,
+                                     timeout_s=self.timeout_s, shm=self.shm, copier=self.copier)
         t0 = time.perf_counter()
         try:
             st = await sender.send(rid, kv.device_pages, kv.num_tokens, num_pages=kv.num_pages,
@@ -201,7 +218,7 @@ class PrefillService(_Base):
 
 
 class EnginePagePool:
-    """``kv_transfer.PagePool`` over an engine's pools, every call on its engine thread: reserve ->
+    """``kv_pool.PagePool`` over an engine's pools, every call on its engine thread: reserve ->
     ``Engine.reserve_kv``, write -> ``Engine.write_kv_pages``, free -> ``Engine.release_reservation``."""
 
     def __init__(self, engine_loop: EngineLoop, page_size: int):

@@ -4,17 +4,22 @@
   left and that every KV page comes back once the prefix cache lets go of its (unlocked) pages.
 - ``BAD_REQUESTS``: the bad-input cases of the issue, each with the status code it must get.
 - ``raw_generate(channel, payload)``: send raw bytes as a GenerateRequest (for invalid UTF-8 and the like).
+- ``stalling_sender``: a prefill worker's KV sender factory whose transfers of chosen requests hang mid-way.
 """
 from __future__ import annotations
 
+import asyncio
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
 from .api import method_path, pb
+from .kv_transfer import KVSender
 
-__all__ = ["kv_pages_all_free", "BadRequest", "BAD_REQUESTS", "raw_generate", "encode_field"]
+__all__ = ["kv_pages_all_free", "BadRequest", "BAD_REQUESTS", "raw_generate", "encode_field", "StallingSender",
+           "stalling_sender"]
 
 
 def kv_pages_all_free(engine) -> dict:
@@ -118,3 +123,28 @@ BAD_REQUESTS = [
     BadRequest("oversized_message", grpc.StatusCode.RESOURCE_EXHAUSTED, "",
                lambda i: encode_field(3, 2, b"x" * (i["_max_message_bytes"] + 1024))),
 ]
+
+
+STALL_PREFIX_ENV = "TBJAX_TEST_STALL_PREFIX"
+
+
+class StallingSender(KVSender):
+    """A sender that hangs before its second chunk (so a test can kill the prefill process mid-transfer)."""
+
+    def __init__(self, channel, *, stall_s: float = 3600.0, **kwargs):
+        super().__init__(channel, **{**kwargs, "fast_chunk_bytes": 0})   # several chunks on every data plane
+        self.stall_s = stall_s
+
+    async def before_chunk(self, index: int) -> None:
+        if index == 1:
+            await asyncio.sleep(self.stall_s)
+
+
+def stalling_sender(request_id: str, channel, **kwargs) -> KVSender:
+    """A ``serving.pd_worker`` sender factory: transfers of requests whose id starts with $TBJAX_TEST_STALL_PREFIX
+    stall after one chunk, all others are plain. Named in a worker process by
+    ``TBJAX_KV_SENDER_FACTORY=serving.testing:stalling_sender``."""
+    prefix = os.environ.get(STALL_PREFIX_ENV)
+    if prefix and request_id.startswith(prefix):
+        return StallingSender(channel, **kwargs)
+    return KVSender(channel, **kwargs)

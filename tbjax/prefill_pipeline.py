@@ -35,7 +35,7 @@ from tbjax.engine.kv_cache import KVCacheConfig, init_kv_cache
 from tbjax.model import layers as ly
 from tbjax.model.params import group_shapes
 from tbjax.model.transformer import layer_plan, lm_logits, run_layers
-from tbjax.model.quant import take_rows
+from tbjax.model.quant import params_dtype, take_rows
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 ROUTED_EXPERT_PARAMS = ("we_gate", "we_up", "we_down")
@@ -277,7 +277,7 @@ class PipelinePrefillEngine:
         self.pipe = PipelinePrefill(spec, params, devices, chunk_tokens=min(chunk_tokens, self.max_model_len),
                                     max_len=self.max_model_len, stages=stages)
         self.page_size = page_size
-        self.kv_dtype = str(jax.tree.leaves(params)[0].dtype) if kv_dtype == "auto" else kv_dtype
+        self.kv_dtype = params_dtype(params) if kv_dtype == "auto" else kv_dtype   # quantized: the compute dtype
         self.device = self.pipe.stages[0].device
         # what page_layout / scales_layout / pool_device of a prefill worker read: one page of every layer
         probe = init_kv_cache(spec, KVCacheConfig(num_pages=2, page_size=page_size, dtype=self.kv_dtype))

@@ -17,9 +17,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from serving import kv_shm, kv_transfer
-from serving.kv_transfer import (CODECS, ArrayPagePool, KVReceiver, KVSender, SplitZipCodec, TransferError,
-                                 kv_service_handler, register_codec)
+from serving import kv_same_host, kv_shm
+from serving.kv_codecs import CODECS, SplitZipCodec, register_codec
+from serving.kv_pool import ArrayPagePool
+from serving.kv_transfer import KVReceiver, KVSender, TransferError, kv_service_handler
 from serving.metrics import ServerMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -317,7 +318,7 @@ def test_shm_falls_back_to_grpc_other_host_no_arena_or_unmappable(monkeypatch):
             st = await KVSender(ch).send("a", pages)
             assert not st.shm and st.wire_bytes == pages.nbytes
             rx.host_id = kv_shm.host_id()
-            monkeypatch.setattr(kv_transfer, "_mapping", lambda name: (_ for _ in ()).throw(OSError("no map")))
+            monkeypatch.setattr(kv_same_host, "mapping", lambda name: (_ for _ in ()).throw(OSError("no map")))
             st = await KVSender(ch, chunk_pages=2).send("b", pages)   # granted but cannot map: bytes over gRPC
             assert not st.shm and st.wire_bytes == pages.nbytes and rx.arena.num_regions == 0
             for rid, ids, _ in ev["ready"]:
@@ -366,7 +367,6 @@ def test_fp8_scales_travel_with_the_pages(shm):
 SHM_SENDER_SCRIPT = textwrap.dedent("""
     import asyncio, os, sys
     import grpc, ml_dtypes, numpy as np
-    from serving import kv_transfer
     from serving.kv_transfer import KVSender
     addr, shape = sys.argv[1], (3, 4, 2, 8)
 
@@ -445,7 +445,7 @@ def test_sender_unmaps_segments_of_receivers_that_went_away():
                 names.append(rx.arena.name)
         return names
     first, second = asyncio.run(main())
-    assert first != second and second in kv_transfer._MAPPINGS and first not in kv_transfer._MAPPINGS
+    assert first != second and second in kv_same_host.MAPPINGS and first not in kv_same_host.MAPPINGS
 
 
 def test_landing_program_views_bytes_and_checksums_every_chunk():

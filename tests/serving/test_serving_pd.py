@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from serving.client import Client
-from serving.pd_worker import PD_SERVICE, STALL_ENV
+from serving.pd_worker import PD_SERVICE, SENDER_FACTORY_ENV
+from serving.testing import STALL_PREFIX_ENV
 
 import tbjax
 from tbjax.sampling import SamplingParams
@@ -75,7 +76,8 @@ def _stats(target):
 
 @pytest.fixture(scope="module")
 def cluster():
-    pre = _start("prefill", *ENGINE, "--kv-chunk-pages", "1", env={STALL_ENV: "stall-"})
+    pre = _start("prefill", *ENGINE, "--kv-chunk-pages", "1",
+                 env={SENDER_FACTORY_ENV: "serving.testing:stalling_sender", STALL_PREFIX_ENV: "stall-"})
     dec = _start("decode", *ENGINE, "--kv-timeout", str(KV_TIMEOUT))
     procs = [pre, dec]
     try:

@@ -187,7 +187,7 @@ class PipelinePrefill:
             self.params.append(jax.device_put(tree, dev))
             self._fns.append(jax.jit(functools.partial(_stage_step, spec=spec, layers=st.layers, first=st.first,
                                                        last=st.last), donate_argnums=(4,)))
-        self.dtype = jnp.dtype(jax.tree.leaves(params)[0].dtype)
+        self.dtype = jnp.dtype(params_dtype(params))   # the compute dtype (not a quantized weight's codes)
 
     def _empty_kv(self, st: _Stage):
         plan = layer_plan(self.spec)

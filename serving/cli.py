@@ -317,7 +317,7 @@ def _warmup(model: ServedModel, progress: bool = False) -> float:
     request); the server does this itself (``Server(warmup=True)``). Returns the seconds it took."""
     from .engine_loop import warm_up
     t0 = time.perf_counter()
-    warm_up(model.engine, progress=progress, make_params=model.make_params, tokenizer=model.tokenizer)
+    warm_up(model.engine, progress=progress)
     return time.perf_counter() - t0
 
 

@@ -79,51 +79,29 @@ def _deliver(items: list) -> None:  # runs on the servicer's loop
         stream.put(item)
 
 
-WARMUP_REQUEST_ID = "__warmup__"
 # Engine loops of one process warm up one at a time (e.g. --role split's two engines): compiles use every core
 # anyway, and concurrent XLA:CPU compiles in engine threads were a suspect of crashes on the 2-core dev box.
 _WARMUP_LOCK = threading.Lock()
 
 
-def warm_up(engine, *, progress: bool = False, make_params: Callable[..., Any] | None = None,
-            tokenizer=None) -> dict:
-    """Compile every program ``engine`` can run, on the calling thread (the one that owns the engine). An engine
-    with ``warmup(progress=...)`` does it itself (it returns e.g. ``{"programs": n, "seconds": s}``) and one whose
-    ``ready`` is already True is left alone; any other runs one short greedy request (prefill-only for a pipeline
-    prefill engine), which compiles the common programs only. The result also says how many XLA compiles this
-    process saw meanwhile (``xla_compiles``, ``xla_compile_seconds``: ``tbjax.compile_monitor``) and how the warm-up
-    was done (``how``: "engine", "already ready", "one request")."""
+def warm_up(engine, *, progress: bool = False) -> dict:
+    """Compile every program ``engine`` (a ``tbjax.engine.api.StepEngine``) can run, on the calling thread (the one
+    that owns the engine): ``engine.warmup(progress=...)``, unless ``engine.ready`` already. The result also says how
+    many XLA compiles this process saw meanwhile (``xla_compiles``, ``xla_compile_seconds``:
+    ``tbjax.compile_monitor``) and how the warm-up was done (``how``: "engine" or "already ready")."""
     from tbjax import compile_monitor
 
     compile_monitor.install()
     c0, s0, t0 = compile_monitor.count(), compile_monitor.seconds(), time.perf_counter()
-    fn = getattr(engine, "warmup", None)
-    if getattr(engine, "ready", None) is True:
+    if engine.ready:
         info = {"how": "already ready", "programs": 0}
-    elif callable(fn):
-        info = {"how": "engine", **dict(fn(progress=progress) or {})}
     else:
-        _one_request(engine, make_params, tokenizer)
-        info = {"how": "one request"}
+        info = {"how": "engine", **dict(engine.warmup(progress=progress) or {})}
     info.setdefault("seconds", time.perf_counter() - t0)
     info["xla_compiles"] = compile_monitor.count() - c0
     info["xla_compile_seconds"] = compile_monitor.seconds() - s0
     info.setdefault("programs", info["xla_compiles"])
     return info
-
-
-def _one_request(engine, make_params, tokenizer) -> None:
-    if make_params is None:
-        from tbjax.sampling import SamplingParams as make_params
-    tok = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
-    ids = tok.encode("Hello") if tok is not None else [1, 2, 3, 4]
-    pipeline = getattr(engine, "pipe", None) is not None       # a prefill-only pipeline engine
-    kw = {"prefill_only": True} if pipeline else {}
-    engine.add_request(WARMUP_REQUEST_ID, ids, make_params(max_tokens=4, temperature=0.0), **kw)
-    while engine.has_unfinished():
-        engine.step()
-    if pipeline:
-        engine.abort(WARMUP_REQUEST_ID)                         # drop the held KV
 
 
 def warming_message(phase: str, compiles: int, elapsed_s: float) -> str:
@@ -139,11 +117,10 @@ class EngineLoop:
     """Runs ``engine.step()`` on its own thread. ``submit``/``abort``/``call`` are safe from any thread."""
 
     def __init__(self, engine, metrics=None, *, stats_interval_s: float = 0.25, name: str = "tbjax-engine",
-                 warmup: bool = False, warmup_progress: bool = False, make_params: Callable[..., Any] | None = None,
-                 tokenizer=None):
+                 warmup: bool = False, warmup_progress: bool = False):
         self.engine = engine
         self.warmup = warmup
-        self._warmup_kw = dict(progress=warmup_progress, make_params=make_params, tokenizer=tokenizer)
+        self._warmup_kw = dict(progress=warmup_progress)
         self._ready = threading.Event()
         self._warm_start: tuple[int, float] | None = None   # (compile count, perf_counter) when warm-up began
         self.warmup_info: dict | None = None

@@ -272,6 +272,7 @@ class EngineProcess:
         self.fatal: BaseException | None = None
         self.warmup = warmup
         self.warmup_info: dict | None = None
+        self.engine = None         # it lives in the child process
         self._phase = "loading"              # -> "compiling" (warm-up) -> ready
         self._progress = (0, 0.0)            # warm-up: (XLA compiles so far, seconds)
         self._t_start: float | None = None
@@ -321,6 +322,12 @@ class EngineProcess:
             if isinstance(e, OSError):
                 raise EngineStopped("the engine process is gone") from e
             raise
+
+    def submit_many(self, requests: list[tuple[str, list[int], Any, RequestStream]]) -> None:
+        """Several requests (``EngineHandle.submit_many``): sent back to back, so the child usually takes them in one
+        step."""
+        for rid, ids, params, stream in requests:
+            self.submit(rid, ids, params, stream)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

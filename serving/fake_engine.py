@@ -120,7 +120,10 @@ def reference(prompt_ids: list[int], max_tokens: int, *, seed: int = 0, ignore_e
 
 
 class FakeEngine:
-    """Engine test double (see module docstring). ``step_time_s`` sleeps per step to mimic a device."""
+    """Engine test double (see module docstring; implements ``tbjax.engine.api.StepEngine`` and ``PromptScorer``).
+    ``step_time_s`` sleeps per step to mimic a device."""
+
+    prefill_only = False
 
     def __init__(self, *, num_pages: int = 512, page_size: int = 4, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int = 512, step_time_s: float = 0.0,
@@ -160,6 +163,10 @@ class FakeEngine:
                 np.asarray(jax.jit(lambda x: x * 2 + 1)(np.zeros((i + 1, 3), np.float32)))
         self.ready = True
         return {"programs": self.warmup_programs, "seconds": time.perf_counter() - t0}
+
+    @property
+    def kv_tokens_per_sequence(self) -> int:
+        return self.scheduler.kv_tokens_per_sequence
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: FakeSamplingParams) -> None:
         params.validate(VOCAB)

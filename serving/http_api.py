@@ -672,9 +672,6 @@ class HTTPFrontend:
         if not (job.echo and job.logprobs is not None):
             return None
         el = self.servicer.engine_loop
-        if not callable(getattr(el, "call", None)):
-            raise _bad(f"echo with logprobs (prompt logprobs) needs an engine in this server; role "
-                       f"{self.servicer.role!r} has none", "echo")
         from .prompt_logprobs import PromptLogprobsUnavailable, prompt_logprobs
         out = []
         for ids in job.prompts:
@@ -683,6 +680,11 @@ class HTTPFrontend:
                                                                                k=job.logprobs))))
             except PromptLogprobsUnavailable as e:
                 raise _bad(str(e), "echo") from None
+            except EngineStopped as e:
+                if el.engine is None and self.servicer.role == "router":
+                    raise _bad(f"echo with logprobs (prompt logprobs) needs an engine in this server; role "
+                               f"{self.servicer.role!r} has none", "echo") from None
+                raise APIError(503, str(e)) from None
             except EngineStopped as e:
                 raise APIError(503, str(e)) from None
         return out
@@ -760,8 +762,8 @@ class HTTPFrontend:
     def _submit(self, items, job: Job) -> list:
         """Hand the choices' requests to the engine in one command (EngineLoop.submit_many) when it can take one."""
         sv = self.servicer
-        many = getattr(sv.engine_loop, "submit_many", None)
-        if many is None or len(items) == 1:
+        many = sv.engine_loop.submit_many
+        if len(items) == 1:
             out = []
             try:
                 for c, slot, params in items:

@@ -49,11 +49,7 @@ class ServedModel:
 
         spec = llm.spec
         engine = llm.engine
-        ctx = spec.max_position
-        for attr in ("max_model_len", "max_context"):
-            v = getattr(engine, attr, None)
-            if isinstance(v, int) and v > 0:
-                ctx = min(ctx, v)
+        ctx = min(spec.max_position, engine.max_model_len)
         tok = llm.tokenizer
         eos = tuple(getattr(tok, "eos_token_ids", ()) or spec.eos_token_ids)
         defaults = getattr(llm, "generation_defaults", None)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import weakref
 
+from tbjax.engine import Engine
+from tbjax.engine.api import PromptScorer
+
 __all__ = ["prompt_logprobs", "PromptLogprobsUnavailable", "TOP_K", "bucket"]
 
 TOP_K = 20        # top logprobs computed per position (requests ask for up to Limits.max_logprobs <= 20)
@@ -100,23 +103,18 @@ def _mesh_forward(engine, padded):
 
 
 def _on_mesh(engine) -> bool:
-    runner = getattr(engine, "runner", None)
-    plan = getattr(runner, "plan", None)
-    mesh = getattr(runner, "mesh", None)
-    return plan is not None and mesh is not None and (getattr(plan, "packed", False) or mesh.devices.size > 1)
+    plan, mesh = engine.runner.plan, engine.runner.mesh
+    return plan is not None and mesh is not None and (plan.packed or mesh.devices.size > 1)
 
 
 def prompt_logprobs(engine, token_ids: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
     """Per prompt token: None for the first, then (logprob of the token given the ones before it, the ``k`` most
     likely tokens there as [(id, logprob)]). Runs on the engine's thread (``EngineLoop.call``)."""
-    own = getattr(engine, "prompt_logprobs", None)
-    if callable(own):
-        return own(list(token_ids), k)
+    if isinstance(engine, PromptScorer):
+        return engine.prompt_logprobs(list(token_ids), k)
     if not 0 <= k <= TOP_K:
         raise ValueError(f"prompt logprobs: k must be in 0..{TOP_K}, got {k}")
-    spec = getattr(engine, "spec", None)
-    params = getattr(engine, "params", None)
-    if spec is None or params is None:
+    if not isinstance(engine, Engine):
         raise PromptLogprobsUnavailable(f"prompt logprobs (echo with logprobs) need the model's weights; this server's "
                                         f"engine ({type(engine).__name__}) has none")
     import numpy as np
@@ -125,7 +123,8 @@ def prompt_logprobs(engine, token_ids: list[int], k: int) -> list[tuple[float, l
     T = len(ids)
     if T < 2:
         return [None] * T
-    n = bucket(T, getattr(spec, "max_position", None))
+    spec, params = engine.spec, engine.params
+    n = bucket(T, spec.max_position)
     padded = np.zeros((n,), np.int32)
     padded[:T] = ids
     try:

@@ -49,7 +49,8 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopped = False
-        self.engine = None
+        self.engine = None          # no engine here: the workers have them
+        self.warmup_info = None
 
     # -- EngineLoop's interface ---------------------------------------------------------------------------
     def start(self) -> "Router":
@@ -62,6 +63,32 @@ class Router:
 
     def inbox_size(self) -> int:
         return 0
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopped
+
+    @property
+    def ready(self) -> bool:
+        """Ready at once: the workers report their own readiness; a request to one still warming up fails there."""
+        return not self._stopped
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return True
+
+    def startup_status(self) -> str:
+        return "the router is starting"
+
+    def call(self, fn):
+        """No engine in this process: the Future fails with EngineStopped."""
+        import concurrent.futures
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_exception(EngineStopped("the router has no engine in this process (its workers do)"))
+        return fut
+
+    def submit_many(self, requests) -> None:
+        for rid, ids, params, stream in requests:
+            self.submit(rid, ids, params, stream)
 
     def stats(self) -> dict:
         return {"running": len(self._tasks)}

@@ -182,9 +182,9 @@ class TbjaxServicer:
         # tokenizing (and chat templates) runs in threads, at most this many at once (gRPC and HTTP together)
         self.tokenize_sem = asyncio.Semaphore(limits.max_tokenize_concurrency)
         # the prompt token limit that applies: the configured one, no larger than the model's context less one and
-        # than what the KV cache holds for one sequence (kv_token_capacity)
+        # than what the KV cache holds for one sequence (StepEngine.kv_tokens_per_sequence)
         cap = limits.prompt_limit(model.max_context)
-        kv = self.kv_tokens = kv_token_capacity(getattr(engine_loop, "engine", None))
+        kv = self.kv_tokens = None if engine_loop.engine is None else engine_loop.engine.kv_tokens_per_sequence
         self.prompt_cap = cap if kv is None else max(1, min(cap, kv))
         # the most tokens one request can generate here (one prompt token at least; the KV pool bounds both)
         self.max_tokens_cap = min(limits.max_tokens, model.max_context - 1, *(() if kv is None else (kv,)))
@@ -202,10 +202,7 @@ class TbjaxServicer:
             return await asyncio.to_thread(fn, *args, **kw)
 
     def _startup_message(self) -> str:
-        status = getattr(self.engine_loop, "startup_status", None)
-        if callable(status):
-            return status()
-        return "the server is warming up (its engines compile their programs); retry when gRPC health reports SERVING"
+        return self.engine_loop.startup_status()
 
     # -- helpers -------------------------------------------------------------------------------------------
     async def _reject(self, context, code: grpc.StatusCode, message: str):
@@ -443,17 +440,6 @@ class TbjaxServicer:
             has_chat_template=m.has_chat_template, role=self.role, api_version=API_VERSION)
 
 
-def kv_token_capacity(engine) -> int | None:
-    """KV positions one sequence can hold in ``engine``'s page pool (one dp rank's usable pages x page size), or
-    None when it cannot be read here (no engine in this process: router, engine in a child process)."""
-    sched = getattr(engine, "scheduler", None)
-    cfg = getattr(sched, "config", None)
-    pages, page_size = getattr(cfg, "usable_pages", None), getattr(sched, "page_size", None)
-    if isinstance(pages, int) and isinstance(page_size, int) and pages > 0 and page_size > 0:
-        return pages * page_size
-    return None
-
-
 def _generic_handler(servicer: TbjaxServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for name, (req_cls, resp_cls, streaming) in METHODS.items():
@@ -580,8 +566,7 @@ class Server:
             self.engine_loop = EngineProcess(engine_factory, self.metrics, warmup=warmup,
                                              warmup_progress=warmup_progress)
         else:
-            self.engine_loop = EngineLoop(model.engine, self.metrics, warmup=warmup, warmup_progress=warmup_progress,
-                                          make_params=model.make_params, tokenizer=model.tokenizer)
+            self.engine_loop = EngineLoop(model.engine, self.metrics, warmup=warmup, warmup_progress=warmup_progress)
             if role == "prefill":
                 from .pd_worker import PrefillService
                 self.pd_service = PrefillService(self.engine_loop, model.make_params, timeout_s=worker_timeout_s,
@@ -701,17 +686,15 @@ class Server:
         ``tbjax_ready`` 1. Returns the warm-up's result (None without a warm-up). Raises RuntimeError when the engine
         failed to start or warm up, EngineStopped when the server stopped meanwhile."""
         el = self.engine_loop
-        wait = getattr(el, "wait_ready", None)   # the router has no engine: ready at once
-        if wait is not None:
-            delay = min(0.002, poll_s)
-            while not wait(0):
-                if self._stopping:
-                    raise EngineStopped("the server stopped while it was warming up")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, poll_s)
+        delay = min(0.002, poll_s)
+        while not el.wait_ready(0):
+            if self._stopping:
+                raise EngineStopped("the server stopped while it was warming up")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, poll_s)
         if self._stopping:
             raise EngineStopped("the server stopped while it was warming up")
-        self.warmup_info = getattr(el, "warmup_info", None)
+        self.warmup_info = el.warmup_info
         self.servicer.ready = True
         self.metrics.ready.set(1)
         for name in ("", SERVICE_NAME):

@@ -69,7 +69,7 @@ class LLM:
         self._ids = itertools.count()
         if warmup is None:
             warmup = default_warmup()
-        if warmup and hasattr(self.engine, "warmup"):
+        if warmup:
             self.engine.warmup(progress=progress)
 
     @classmethod
@@ -88,7 +88,7 @@ class LLM:
         self._set_defaults(_generation_defaults(generation_config, None))
         self.engine = Engine(spec, params, tokenizer, engine_config or EngineConfig(**engine_kw))
         self._ids = itertools.count()
-        if warmup and hasattr(self.engine, "warmup"):
+        if warmup:
             self.engine.warmup(progress=progress)
         return self
 

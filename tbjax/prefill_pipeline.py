@@ -264,7 +264,11 @@ class PipelinePrefillEngine:
     One prompt per step (the pipeline's chunks are what fill the stages). The first token is sampled from the
     last position's logits with the request's sampling parameters and the engine's seed convention
     (fold_in(seed, position)); `export_kv(..., on_device=True)` gives the decode side's transfer layout.
+    Implements ``tbjax.engine.api.StepEngine`` (``prefill_only``) and ``KVExporter``.
     """
+
+    prefill_only = True
+    kv_tokens_per_sequence = None   # no page pool: the prompt's KV is built whole, then exported
 
     def __init__(self, spec: ModelSpec, params, tokenizer, devices, *, page_size: int = 16, kv_dtype: str = "auto",
                  chunk_tokens: int = 256, max_model_len: int | None = None, stages: list[range] | None = None):
@@ -286,6 +290,7 @@ class PipelinePrefillEngine:
         self._queue: list = []
         self._done: dict = {}
         self.num_steps = 0
+        self._warm = False
 
     def add_request(self, request_id, prompt_token_ids, params, *, prefill_only: bool = False) -> None:
         if not prefill_only:
@@ -306,6 +311,25 @@ class PipelinePrefillEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._queue)
+
+    @property
+    def ready(self) -> bool:
+        return self._warm
+
+    def warmup(self, progress: bool = False) -> dict:
+        """Compile the pipeline's stage programs: one short prefill-only request (every prompt runs the same
+        per-chunk programs), its KV dropped."""
+        import time
+
+        from tbjax.sampling import SamplingParams
+        t0 = time.perf_counter()
+        rid = "__tbjax_pipeline_warmup__"
+        self.add_request(rid, [0, 1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+        while self.has_unfinished():
+            self.step()
+        self.abort(rid)
+        self._warm = True
+        return {"programs": len(self.pipe.stages), "seconds": time.perf_counter() - t0}
 
     def abort(self, request_id) -> bool:
         n = len(self._queue)

@@ -146,6 +146,10 @@ class _ReqState:
 
 
 class Engine:
+    """The engine (implements ``tbjax.engine.api.StepEngine``, ``KVExporter`` and ``KVImporter``)."""
+
+    prefill_only = False   # decodes too; ``add_request(..., prefill_only=True)`` holds a request's KV after its prefill
+
     def __init__(self, spec: ModelSpec, params, tokenizer: TextTokenizer, config: EngineConfig = EngineConfig()):
         self.spec, self.params, self.tokenizer, self.config = spec, params, tokenizer, config
         max_len = min(config.max_model_len or spec.max_position, spec.max_position)
@@ -301,6 +305,11 @@ class Engine:
         secs = sum(r.precompile(progress=progress) for r in runners)
         return {"programs": sum(len(r.buckets) for r in runners),
                 "new_programs": sum(r.num_compiled for r in runners) - before, "seconds": secs}
+
+    @property
+    def kv_tokens_per_sequence(self) -> int:
+        """KV positions one sequence can hold (one dp rank's usable pages x page size)."""
+        return self.scheduler.kv_tokens_per_sequence
 
     @property
     def ready(self) -> bool:

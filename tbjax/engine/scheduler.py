@@ -469,6 +469,11 @@ class Scheduler:
         """KV tokens all ranks can hold."""
         return sum(r.allocator.capacity_tokens for r in self.ranks)
 
+    @property
+    def kv_tokens_per_sequence(self) -> int:
+        """KV positions one sequence can hold: one dp rank's usable pages x page size."""
+        return self.config.usable_pages * self.page_size
+
     # -- pages ----------------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         """Drop everything a running sequence holds: its cache lock, its page references, its reservation."""

@@ -355,6 +355,11 @@ class Scheduler:
         return True
 
     # -- late reservations and prefilled sequences (decode side) ----------------------------------------
+    def _slots_taken(self) -> int:
+        """Sequence slots in use: running sequences plus open KV reservations (each becomes a running sequence when
+        its transfer completes), so admissions and reservations together never exceed ``max_num_seqs``."""
+        return len(self._running) + len(self._reservations)
+
     def reserve(self, key: Hashable, num_pages: int) -> list[int]:
         """Take ``num_pages`` pages (and one sequence slot) for KV that will be written from elsewhere."""
         if not _is_int(num_pages) or num_pages < 1:
@@ -364,7 +369,7 @@ class Scheduler:
         if num_pages > self.config.usable_pages:
             raise KVReservationError(f"reservation {key!r}: {num_pages} pages wanted but a dp rank has only "
                                      f"{self.config.usable_pages}")
-        if len(self._running) + len(self._reservations) >= self.config.max_num_seqs:
+        if self._slots_taken() >= self.config.max_num_seqs:
             raise KVReservationError(f"reservation {key!r}: all {self.config.max_num_seqs} sequence slots are taken "
                                      f"({len(self._running)} running, {len(self._reservations)} reserved)")
         r = max(self.ranks, key=lambda r: (r.headroom, -r.num_running, -r.idx))
@@ -655,7 +660,7 @@ class Scheduler:
                 left = s.num_tokens_after_inflight - s.num_scheduled_tokens
                 if s.status is SequenceStatus.RUNNING and left > 1:
                     spare -= min(left, cfg.chunk_size)
-            if self._waiting and len(self._running) < cfg.max_num_seqs:
+            if self._waiting and self._slots_taken() < cfg.max_num_seqs:
                 spare -= min(self._waiting[0].num_tokens, cfg.chunk_size)
         for seq in decodes:
             if seq.status is not SequenceStatus.RUNNING:     # preempted for an older one
@@ -689,7 +694,7 @@ class Scheduler:
                 budget -= n
         # 3. admissions, first come first served (none after a preemption: pages are short)
         if not preempted:
-            while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            while self._waiting and budget > 0 and self._slots_taken() < cfg.max_num_seqs:
                 seq = self._waiting[0]
                 best = None
                 for r in self.ranks:

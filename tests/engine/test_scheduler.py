@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from tbjax.engine import (FinishReason, RequestTooLarge, Scheduler, SchedulerConfig, Sequence,
                           SequenceStatus)
+from tbjax.engine.scheduler import KVReservationError
 
 VOCAB = 13
 EOS = 0
@@ -469,3 +470,22 @@ def test_dp_ranks_balance_requests():
     assert [len(x) for x in batch.by_rank(2)] == [2, 2]
     st_ = sched.stats()
     assert st_["capacity_tokens"] == 2 * 9 * 2 and [r["num_running"] for r in st_["ranks"]] == [2, 2]
+
+
+def test_open_reservations_count_against_max_num_seqs():
+    """A decode worker serving its own requests too: an open KV reservation holds a sequence slot, so admissions
+    stop at max_num_seqs - reservations, and the prefilled request that takes the reservation over never pushes the
+    running set past max_num_seqs."""
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=32))
+    sched.reserve("pd-1", 2)                                     # an 8-token prompt's KV is on its way
+    for i in range(3):
+        sched.add(Sequence(f"local-{i}", [5, 6, 7], max_tokens=4))
+    sched.schedule()
+    assert sched.num_running == 1 and sched.num_waiting == 2     # one slot was left, not two
+    sched.check()
+    seq = Sequence("pd-1", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=4)
+    assert sched.add_prefilled(seq, "pd-1", first_token=9) is None
+    assert sched.num_running == 2 <= sched.config.max_num_seqs
+    sched.check()
+    with pytest.raises(KVReservationError, match="sequence slots"):
+        sched.reserve("pd-2", 1)                                 # both slots are running

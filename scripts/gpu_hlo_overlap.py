@@ -128,9 +128,11 @@ COLLECTIVE = re.compile(r"^(all-gather|collective-permute|all-reduce|reduce-scat
 
 def score_pattern(n_heads: int, span: int | None = None, tokens: int | None = None) -> str:
     """The attention-score matmul, a gemm fusion (or dot) with a float32 result: inside the blocked paged attention's
-    while loops f32[..., span] (`span` kv tokens scored per iteration: decodes f32[S, N, span], a prefill chunk's
-    rows f32[.., rows, span]); dense attention f32[N, (1,) T, T]."""
-    shape = rf"f32\[(?:\d+,)*{span}\]" if span is not None else rf"f32\[{n_heads},(?:1,)?{tokens},{tokens}\]"
+    while loops a float32 result with a `span` dimension (`span` kv tokens scored per iteration: decodes
+    f32[S, N, span]; a prefill query tile's gemm comes out as f32[span, rows * N] in column-major layout); dense
+    attention f32[N, (1,) T, T]."""
+    shape = (rf"f32\[(?:\d+,)*{span}(?:,\d+)*\]" if span is not None
+             else rf"f32\[{n_heads},(?:1,)?{tokens},{tokens}\]")
     return rf"= {shape}\S* (?:fusion\(.*calls=%gemm|dot\()"
 
 

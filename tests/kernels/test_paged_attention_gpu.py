@@ -285,12 +285,9 @@ def _wide_decode_problem(rng, dtype, S=6, K=2, g=4, H=64, G=16):
 
 @pytest.mark.parametrize("dtype,kw", [
     (jnp.bfloat16, {}),  # static split count from the table width (the default)
-    (jnp.bfloat16, dict(max_kv_len=48)),  # static split count from the length hint
     (jnp.bfloat16, dict(splits=4, sliding_window=20)),  # static splits: those past the length idle
     (jnp.bfloat16, dict(work_list=True)),  # run-time work list
-    (jnp.bfloat16, dict(work_list=True, splits=4)),  # work list, forced chunks capped at each sequence's blocks
     (jnp.float8_e4m3fn, dict(fp8_converters=1, splits=3)),  # warp-specialized fp8 kernel, idle splits
-    (jnp.float8_e4m3fn, dict(fp8_converters=1, work_list=True)),  # warp-specialized fp8 kernel, work list
     (jnp.float8_e5m2, dict(fp8_converters=0, work_list=True)),  # inline-conversion fp8 kernel, work list
     (jnp.float8_e4m3fn, dict(fp8_converters=1, fp8_compute_wgs=2, splits=2)),  # two compute warpgroups
 ])
@@ -306,8 +303,7 @@ def test_gpu_decode_wide_table_padding_slots_read_nothing(dtype, kw):
 
 @pytest.mark.parametrize("dtype,kw", [
     (jnp.bfloat16, dict(work_list=True)),
-    (jnp.bfloat16, dict(work_list=True, sliding_window=150, soft_cap=5.0)),
-    (jnp.float8_e4m3fn, dict(work_list=True, fp8_converters=1)),
+    (jnp.float8_e4m3fn, dict(work_list=True, fp8_converters=1, sliding_window=150, soft_cap=5.0)),
 ])
 def test_gpu_decode_work_list_splits_the_live_sequences_of_a_padded_batch(dtype, kw):
   """One long and two short sequences among kv_len-0 slots, wide table: the run-time work list cuts the long one

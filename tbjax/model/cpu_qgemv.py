@@ -24,7 +24,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SRC = os.path.join(os.path.dirname(__file__), "cpu_kernels", "qgemv.cc")
-MAX_T = 8                 # the kernels' largest token count (decode buckets); larger steps use XLA
+MAX_T = 8                 # the kernels' largest token count; larger steps run in chunks of MAX_T rows
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -86,19 +86,42 @@ def _zero_arg(w):
 
 def takes_cols(x_TD, w) -> bool:
     """Whether qgemv_cols computes x @ w for this [D, ...] QuantizedWeight (int8 / int4, groups along D only)."""
-    return (jax.default_backend() == "cpu" and w.fmt in ("int8", "int4") and 1 <= x_TD.shape[0] <= MAX_T
+    return (jax.default_backend() == "cpu" and w.fmt in ("int8", "int4") and x_TD.shape[0] >= 1
             and w.ndim >= 2 and all(b == 1 for b in w.block[1:]) and w.shape[0] % w.block[0] == 0
             and (w.fmt == "int8" or w.shape[-1] % 2 == 0) and available())
 
 
 def takes_rows(x_TD, w) -> bool:
     """Whether qgemv_rows computes x @ w.T for this [V, D] QuantizedWeight (a tied embedding as the head)."""
-    return (jax.default_backend() == "cpu" and w.fmt in ("int8", "int4") and 1 <= x_TD.shape[0] <= MAX_T
+    return (jax.default_backend() == "cpu" and w.fmt in ("int8", "int4") and x_TD.shape[0] >= 1
             and w.ndim == 2 and w.block[0] == 1 and w.shape[1] % w.block[1] == 0
             and (w.fmt == "int8" or (w.shape[1] % 2 == 0 and (w.shape[1] // 2) % w.block[1] == 0)) and available())
 
 
+def _in_chunks(fn, x_TD, w):
+    """fn(x, w) for up to MAX_T rows; more rows go through it MAX_T at a time (zero rows pad the last chunk). Every
+    output row is then computed by the same kernel code whatever the step's token count: a row's value does not
+    depend on the bucket it ran in (batch invariance), where XLA's dot past MAX_T rows would round it differently."""
+    T = x_TD.shape[0]
+    if T <= MAX_T:
+        return fn(x_TD, w)
+    n = -(-T // MAX_T)
+    xp = jnp.pad(x_TD, ((0, n * MAX_T - T), (0, 0))).reshape(n, MAX_T, x_TD.shape[1])
+    y = jax.lax.map(lambda xc: fn(xc, w), xp)
+    return y.reshape(n * MAX_T, y.shape[-1])[:T]
+
+
 def qgemv_cols(x_TD, w):
+    """float32 [T, prod(w.shape[1:])] = x @ w (see ``_one_cols``), MAX_T rows per kernel call."""
+    return _in_chunks(_one_cols, x_TD, w)
+
+
+def qgemv_rows(x_TD, w):
+    """float32 [T, V] = x @ w.T (see ``_one_rows``), MAX_T rows per kernel call."""
+    return _in_chunks(_one_rows, x_TD, w)
+
+
+def _one_cols(x_TD, w):
     """float32 [T, prod(w.shape[1:])] = x @ w for a QuantizedWeight [D, ...] with groups of w.block[0] along D.
     A view into a stack (w.index) hands the kernel the whole stack and the index: no slice is copied."""
     _require()
@@ -114,7 +137,7 @@ def qgemv_cols(x_TD, w):
                 has_zero=w.zero is not None, layer=np.int64(w.index or 0))
 
 
-def qgemv_rows(x_TD, w):
+def _one_rows(x_TD, w):
     """float32 [T, V] = x @ w.T for a QuantizedWeight [V, D] with groups of w.block[1] along D."""
     _require()
     w = w.materialize()

@@ -16,7 +16,8 @@ A weight may be a `QuantizedWeight` (tbjax/model/quant.py: int8 / int4 / fp8 res
 head): float weights take XLA's dot; quantized ones
   * fp8 with 128 x 128 block scales on a `LayerParams` view in a decode step: the decode kernel's fp8 path (it reads
     codes and scales of the layer in place);
-  * int8 / int4 on CPU at decode token counts (<= cpu_qgemv.MAX_T): the CPU custom call (tbjax/model/cpu_qgemv.py),
+  * int8 / int4 on CPU at every token count (cpu_qgemv.MAX_T rows per call, so a row never depends on the step's
+    bucket): the CPU custom call (tbjax/model/cpu_qgemv.py),
     which streams the codes once and accumulates in float32 (XLA's dequantize + dot writes and re-reads a bf16
     copy of the weight: slower than the bf16 model);
   * otherwise `dequant_dot`: the weight dequantized inside the program to the compute dtype (XLA fuses the

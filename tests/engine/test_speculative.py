@@ -249,7 +249,9 @@ def test_stop_rules_inside_an_accepted_run(model, spec_engine):
             for o in spec_engine.step():
                 got += o.new_token_ids
                 txt += o.text_delta
-        assert stop not in txt and text.startswith(txt) and got == ref[:len(got)] and len(got) <= 6
+        # the run ends at the token whose text completes the stop string (bytes of a random model need not be
+        # whole UTF-8 characters, so the streamed text is compared through the tokens, not the decoded string)
+        assert stop not in txt and got == ref[:len(got)] and len(got) <= 6
     assert_no_leaks(spec_engine)
 
 

@@ -207,7 +207,13 @@ class TbjaxServicer:
     # -- helpers -------------------------------------------------------------------------------------------
     async def _reject(self, context, code: grpc.StatusCode, message: str):
         self.metrics.rejected.labels(code=code.name).inc()
-        await context.abort(code, message)
+        try:
+            await context.abort(code, message)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the status could not be sent: the client is gone (see _send)
+            log.debug("status %s not sent (%s): the client is gone", code.name, type(e).__name__)
+            raise asyncio.CancelledError() from e
 
     def _set_gauges(self) -> None:
         self.metrics.inflight.set(self.num_inflight)

@@ -181,7 +181,6 @@ def test_serve_cli_prints_serving_only_after_the_warmup(extra):
             m = re.search(r"listening on (\S+):(\d+), metrics on http://\S+:(\d+)/metrics", line)
             if m:
                 break
-        t_listen = time.perf_counter()
         target = f"127.0.0.1:{m.group(2)}"
         with Client(target, timeout=30) as c:
             # NOT_SERVING while warming up (with an engine process the child may still be loading: same answer)
@@ -190,9 +189,9 @@ def test_serve_cli_prints_serving_only_after_the_warmup(extra):
             assert _metrics(m.group(3))["tbjax_ready"] == 0
             assert select.select([p.stdout], [], [], 0)[0] == []    # no serving line yet
             line = p.stdout.readline()
-            t_serving = time.perf_counter()
             assert re.search(r"tbjax: serving fake \(colocated\) on \S+ \(gRPC tbjax.v1\), metrics on", line), line
-            assert t_serving - t_listen >= WARMUP_S * 0.6     # minus the time the checks above took
+            # (no bound on the time to the serving line: the warm-up starts before the sockets are bound and under
+            # load the listening line comes late; NOT_SERVING and the refusal above were seen while it ran)
             assert c.health() == "SERVING"
             assert c.generate(token_ids=[20, 21], max_tokens=5, temperature=0).token_ids == \
                 reference([20, 21], 5)[0]

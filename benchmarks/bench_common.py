@@ -21,13 +21,16 @@ _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
 
 
 def git_commit() -> str:
-    """The short commit of this tree; ``$TBJAX_COMMIT`` where there is no git checkout; else "unknown"."""
+    """``$TBJAX_COMMIT`` when set (the device machine's copy of the tree is not the checkout: a stale git directory
+    there named an older commit), else the short commit of this tree's checkout, else "unknown"."""
+    if os.environ.get("TBJAX_COMMIT"):
+        return os.environ["TBJAX_COMMIT"]
     try:
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
                            timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         c = ""
-    return c or os.environ.get("TBJAX_COMMIT", "unknown")
+    return c or "unknown"
 
 
 def run_info() -> dict:

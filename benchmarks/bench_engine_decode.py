@@ -116,11 +116,25 @@ def profile_steps(step_fn, n: int, top: int = 30) -> dict:
                 continue
             busy = sum(a[0] for a in agg.values())
             rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+            # idle time between consecutive kernels, summed by the (kernel before, kernel after) pair: where the
+            # stream waits on the host (graph breaks, host syncs, launch-bound stretches)
+            evs = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events))
+            gaps: dict = {}
+            for (s0, e0, n0), (s1, e1, n1) in zip(evs, evs[1:]):
+                g = s1 - e0
+                if g > 0:
+                    a = gaps.setdefault((n0[:60], n1[:60]), [0.0, 0])
+                    a[0] += g
+                    a[1] += 1
+            gap_rows = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:15]
             out["lines"].append({"plane": plane.name, "line": line.name, "busy_us_per_step": busy / n / 1e3,
                                  "span_us_per_step": (span[1] - span[0]) / n / 1e3 if span[0] is not None else None,
                                  "events_per_step": sum(a[1] for a in agg.values()) / n,
                                  "top": [{"name": k[:160], "us_per_step": a[0] / n / 1e3, "calls_per_step": a[1] / n}
-                                         for k, a in rows]})
+                                         for k, a in rows],
+                                 "idle_us_per_step": sum(a[0] for a in gaps.values()) / n / 1e3,
+                                 "gaps": [{"before": k[0], "after": k[1], "us_per_step": a[0] / n / 1e3,
+                                           "per_step": a[1] / n} for k, a in gap_rows]})
     out["lines"].sort(key=lambda l: -l["busy_us_per_step"])
     return out
 
@@ -212,6 +226,9 @@ def jax_worker(args) -> dict:
 
     t0 = time.perf_counter()
     params = jax.jit(init_params, static_argnums=(0, 2))(spec, jax.random.key(0), args.dtype)
+    if args.weight_dtype != "bf16":      # matrices resident in fp8 / int8 / int4 (quantized where they live)
+        from tbjax.model import quant
+        params = quant.quantize_tree(params, args.weight_dtype, on_device=True)
     jax.block_until_ready(params)
     res["init_weights_s"] = time.perf_counter() - t0
     itemsize = jnp.dtype(args.dtype).itemsize
@@ -221,12 +238,13 @@ def jax_worker(args) -> dict:
     res["model"] = {"weights_bytes": w_total, "embed_bytes": embed_bytes, "kv_bytes_per_token": kv_per_token,
                     "layers": spec.n_layers, "d_model": spec.d_model, "heads": spec.n_heads,
                     "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab_size,
-                    "dtype": args.dtype, "num_pages": num_pages, "page_size": G}
+                    "dtype": args.dtype, "weight_dtype": args.weight_dtype, "num_pages": num_pages, "page_size": G}
 
     tok = synthetic_tokenizer(spec.vocab_size)
     cfg = EngineConfig(page_size=G, num_pages=num_pages, kv_dtype=args.dtype, max_num_seqs=max_b,
                        max_num_batched_tokens=max_tokens, max_model_len=max_ctx, attn_impl=args.attn_impl,
-                       matmul_impl=args.matmul_impl, layer_buffers=args.layer_buffers, fold_norms=args.fold_norms)
+                       matmul_impl=args.matmul_impl, layer_buffers=args.layer_buffers, fold_norms=args.fold_norms,
+                       command_buffers=args.command_buffers)
     t0 = time.perf_counter()
     engine = Engine(spec, params, tok, cfg)
     runner = engine.runner
@@ -405,11 +423,12 @@ def jax_worker(args) -> dict:
                 for i in range(B):
                     ids = [int(x) for x in rng.integers(0, spec.vocab_size, e2e_prompt)]
                     engine.add_request(f"e2e-{mode}-{i}", ids, sp)
-                steps = []
+                steps, hs = [], [dict(engine.host_seconds)]
                 while engine.has_unfinished():
                     t = time.perf_counter()
                     outs = engine.step()
                     steps.append((time.perf_counter() - t, len(outs)))
+                    hs.append(dict(engine.host_seconds))
                     if len(steps) > args.e2e_new_tokens + 8:
                         raise RuntimeError("engine did not finish in the expected number of steps")
                 m = {"step_s": [round(x, 5) for x, _ in steps]}
@@ -417,6 +436,11 @@ def jax_worker(args) -> dict:
                 m["prefill_step_s"] = steps[0][0] + (steps[1][0] if overlap else 0.0)
                 dec = [x for x, _ in steps[2:]] or [x for x, _ in steps[1:]]
                 m["decode_step_ms"] = 1e3 * _median(dec)
+                # host ms by phase of Engine.step (Engine.host_seconds), median over the same decode steps
+                first = 2 if len(steps) > 2 else 1
+                m["host_ms_per_step"] = {k: round(1e3 * _median([hs[i + 1][k] - hs[i][k]
+                                                                 for i in range(first, len(steps))]), 3)
+                                         for k in hs[0]}
                 m["decode_tok_s"] = B / (m["decode_step_ms"] * 1e-3)
                 r[mode] = m
             r.update({k: r["overlap"][k] for k in ("prefill_step_s", "decode_step_ms", "decode_tok_s")})
@@ -653,7 +677,9 @@ def summarize(res: dict) -> str:
         lines.append(f"e2e Engine.step() {e['batch']}x{e['context']}: " +
                      (f"decode step {e['decode_step_ms']:.2f} ms ({e['decode_tok_s']:.0f} tok/s) overlapped, "
                       f"{e['sync']['decode_step_ms']:.2f} ms one step at a time (overlap/sync "
-                      f"{e['overlap_over_sync_tok_s']:.2f}x), prefill step {e['prefill_step_s']:.1f}s (incl. compile)"
+                      f"{e['overlap_over_sync_tok_s']:.2f}x), prefill step {e['prefill_step_s']:.1f}s (incl. compile); "
+                      f"host ms/step sync {e['sync'].get('host_ms_per_step')}, overlapped "
+                      f"{e['overlap'].get('host_ms_per_step')}"
                       if "error" not in e else e["error"][:300]))
     for s in res.get("hf", {}).get("shapes", []):
         if "error" in s:
@@ -676,10 +702,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="llama-3.1-8b", help="name of a JSON file in benchmarks/configs/")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weight-dtype", default="bf16", choices=["bf16", "fp8", "int8", "int4"],
+                    help="resident format of the matrices (issue 20: fp8 decode vs bf16); the compute dtype is --dtype")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=0, help="override the config's layer count (0 = as configured)")
     ap.add_argument("--dump-hlo", default="", help="write the first shape's optimized decode-step HLO here")
     ap.add_argument("--layer-buffers", default="stacked", help="stacked | split | auto (EngineConfig.layer_buffers)")
+    ap.add_argument("--command-buffers", default="auto", help="auto | on | off (EngineConfig.command_buffers)")
     ap.add_argument("--fold-norms", action="store_true",
                     help="EngineConfig.fold_norms: RMSNorm weights folded into w_qkv / w_gate_up (2 kernels less/layer)")
     ap.add_argument("--precompile-workers", type=int, default=0,
@@ -724,7 +753,7 @@ def main(argv=None) -> int:
     res = {"config": args.config, "dtype": args.dtype, "page_size": args.page_size, "commit": git_commit(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup,
            "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "layer_buffers": args.layer_buffers, "fold_norms": args.fold_norms}
+           "layer_buffers": args.layer_buffers, "fold_norms": args.fold_norms, "command_buffers": args.command_buffers}
     outs = [args.out] if args.out else []
     if os.environ.get("OUT"):
         outs.append(os.path.join(os.environ["OUT"], "bench_engine_decode.json"))
@@ -752,8 +781,8 @@ def main(argv=None) -> int:
                   "--attn-impl", args.attn_impl, "--matmul-impl", args.matmul_impl,
                   "--compare-matmul", args.compare_matmul, "--profile", args.profile,
                   "--profile-steps", str(args.profile_steps), "--dump-hlo", args.dump_hlo,
-                  "--precompile-workers", str(args.precompile_workers), "--layer-buffers", args.layer_buffers] + \
-        (["--fold-norms"] if args.fold_norms else [])
+                  "--precompile-workers", str(args.precompile_workers), "--layer-buffers", args.layer_buffers,
+                  "--command-buffers", args.command_buffers] + (["--fold-norms"] if args.fold_norms else [])
     res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
     save()
     if run_hf:

@@ -124,8 +124,7 @@ def main():
   import jax.numpy as jnp
   import numpy as np
 
-  from pallas_kernels.paged_attention import gpu, reference, sparse
-  FP8_DEFAULT, FP8_CONVERT_DEFAULT = gpu.FP8_CONVERTERS, gpu.FP8_CONVERT
+  from pallas_kernels.paged_attention import gpu, reference, sparse, tuning
 
   smoke = args.smoke
   impl_interp = smoke
@@ -278,7 +277,7 @@ def main():
       out, (phys, logical, count) = sparse.paged_sparse_decode_attention(
           q, kv, bt, lens, kmin, kmax, num_sink_pages=1, num_window_pages=2, top_k_pages=5, kv_scales_PK=sc,
           impl="gpu_interpret" if smoke else "gpu", return_selection=True)
-      record(f"sparse {jnp.dtype(dt).name} converters={gpu.FP8_CONVERTERS}", out,
+      record(f"sparse {jnp.dtype(dt).name} converters={tuning.current().fp8_converters}", out,
              sparse.sparse_decode_attention_reference(q, kv, bt, lens, logical, kv_scales_PK=sc))
     res["correctness"] = rows
     done("correctness")
@@ -376,13 +375,10 @@ def main():
       qq, kvv, btt, lns, scc = rand_problem(S=3, K=4, g=4, H=128, G=16, Pmax=40, dtype=jnp.float8_e4m3fn,
                                             lens=[600, 37, 400])
       kmin = jnp.asarray(rng.standard_normal((kvv.shape[0], 4, 128)), jnp.float32)
-      gpu.FP8_CONVERTERS = 2  # sparse follows the module default
-      if args.fp8_variants:
-        gpu.FP8_CONVERT = "bits"
-      out, (_, logical, _) = sparse.paged_sparse_decode_attention(
-          qq, kvv, btt, lns, kmin, kmin + 1.0, num_sink_pages=1, num_window_pages=2, top_k_pages=5, kv_scales_PK=scc,
-          impl="gpu_interpret" if smoke else "gpu", return_selection=True)
-      gpu.FP8_CONVERTERS, gpu.FP8_CONVERT = FP8_DEFAULT, FP8_CONVERT_DEFAULT
+      with tuning.override(fp8_converters=2, fp8_convert="bits" if args.fp8_variants else "cvt"):  # sparse: the row
+        out, (_, logical, _) = sparse.paged_sparse_decode_attention(
+            qq, kvv, btt, lns, kmin, kmin + 1.0, num_sink_pages=1, num_window_pages=2, top_k_pages=5,
+            kv_scales_PK=scc, impl="gpu_interpret" if smoke else "gpu", return_selection=True)
       record(f"sparse float8_e4m3fn converters=2 {'bits' if args.fp8_variants else 'cvt'}", out,
              sparse.sparse_decode_attention_reference(qq, kvv, btt, lns, logical, kv_scales_PK=scc), rows=ws_rows)
       res["correctness_ws"] = ws_rows
@@ -753,7 +749,7 @@ def main():
               if "fp8_ms" in row:
                 out8 = f32(f8(q, kv8, bt, lens, sc))
                 row["fp8_max_err_vs_ref"] = float(np.max(np.abs(out8 - f32(fr8(q, kv8, bt, lens, sc)))))
-                if fp8_best.get("fp8_qk", gpu.FP8_QK):
+                if fp8_best.get("fp8_qk", tuning.current().fp8_qk):
                   row["fp8_max_err_vs_ref_q8"] = float(np.max(np.abs(out8 - f32(fr8(dequantized_q(q), kv8, bt, lens,
                                                                                     sc)))))
             except Exception as e:  # noqa: BLE001

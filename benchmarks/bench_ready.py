@@ -117,7 +117,8 @@ def _metric(port: int, name: str) -> float | None:
 def _serve(args, cache_dir, label, load: bool) -> dict:
     """Start the server, time it to ready; optionally run the load passes against it; stop it."""
     env = dict(os.environ, TBJAX_COMPILE_CACHE=cache_dir, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "tbjax.serve", "--model", "synthetic", "--port", "0", "--metrics-port", "0",
+    model = [] if args.serve_model == "default" else ["--model", args.serve_model]
+    cmd = [sys.executable, "-m", "tbjax.serve", *model, "--port", "0", "--metrics-port", "0",
            "--max-num-seqs", str(args.serve_max_num_seqs)] + args.serve_args.split()
     res = {"label": label, "cmd": " ".join(cmd[1:])}
     t0 = time.perf_counter()
@@ -210,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-variants", default="",
                     help="comma-separated EngineConfig.layer_buffers values for the engine section ('' = default)")
     ap.add_argument("--serve-max-num-seqs", type=int, default=64)
+    ap.add_argument("--serve-model", default="synthetic",
+                    help="model of the serve section: synthetic (SmolLM2 shapes, random weights), default, or a path")
     ap.add_argument("--serve-args", default="", help="extra arguments for python -m tbjax.serve")
     ap.add_argument("--load-n", type=int, default=256)
     ap.add_argument("--load-c", type=int, default=64)
@@ -255,7 +258,7 @@ def main(argv=None) -> int:
         cache = tempfile.mkdtemp(prefix="tbjax-ready-serve-")
         labels = (["cold"] if "serve" in sections else []) + ["warm"]
         for label in labels:
-            r = _serve(args, cache, f"serve synthetic {label}", load=("load" in sections and label == "warm"))
+            r = _serve(args, cache, f"serve {args.serve_model} {label}", load=("load" in sections and label == "warm"))
             res["results"].append(r)
             print(json.dumps(r), flush=True)
             save()

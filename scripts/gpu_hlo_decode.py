@@ -95,6 +95,8 @@ def classify(name: str, op: str, rest: str, comps: dict[str, list[str]]) -> str:
         tgt = tgt.group(1) if tgt else "?"
         if "cublas" in tgt.lower():
             return "gemm (cublas)"
+        if tgt.startswith("mosaic_gpu"):
+            return "attention (Mosaic GPU custom call)"
         return f"custom call ({tgt})"
     return op
 

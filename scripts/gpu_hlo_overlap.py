@@ -43,6 +43,11 @@ ROOT = os.path.dirname(HERE)
 TARGET = os.environ.get("TBJAX_GPU_TARGET_CONFIG",
                         os.path.join(ROOT, "tests", "data", "gpu_targets", "h100_sxm.txtpb"))
 
+# The test suite compiles XLA:CPU at -O0 (tests/conftest.py FAST_COMPILE_FLAGS) and its subprocesses inherit that;
+# the programs analysed here are compiled for the GPU with XLA's default settings (before jax is imported).
+_FAST = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes")
+os.environ["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_FAST))
+
 
 # ---- HLO text ------------------------------------------------------------------------------------------------------
 def split_computations(hlo: str) -> dict[str, list[str]]:

@@ -12,10 +12,9 @@ seconds), a second one stops at once.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import logging
-import os
 import signal
 import sys
 import time
@@ -23,157 +22,19 @@ from typing import Sequence
 
 from .limits import Limits
 from .model import ServedModel, model_name_for_path
+from .serve_config import (DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORT, HTTP_ROLES, ConfigError,  # noqa: F401
+                           ServeConfig)
+from .serve_config import build_parser as _build_parser
 from .server import Server
 
 __all__ = ["main", "build_parser", "load_served_model"]
 
 log = logging.getLogger("tbjax.serve")
 
-DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9464
-DEFAULT_HTTP_PORT = 8000
-HTTP_ROLES = ("colocated", "router", "split")   # the public API; prefill / decode workers serve none
 
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tbjax.serve", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="GGUF file, HF safetensors dir or tbjax checkpoint dir (default: SmolLM2-135M-Instruct); "
-                         "'synthetic': SmolLM2-135M's shapes with random weights (benchmarks without the file)")
-    ap.add_argument("--served-model-name", default=None, help="name clients use (default: from the model path)")
-    ap.add_argument("--generation-config", default="auto",
-                    help="sampling defaults: auto (the model's generation_config.json, GGUF sampling metadata, or for "
-                         "the default model its card's temperature 0.2 / top_p 0.9), none (temperature 1, no filters) "
-                         "or a generation_config.json path; a request's explicit values always win")
-    ap.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router", "split"],
-                    help="colocated: one engine does prefill and decode; prefill / decode: a worker of disaggregated "
-                         "serving; router: the public API in front of --prefill-workers and --decode-workers; split: "
-                         "router + prefill worker + decode worker in this one process, the two engines on disjoint "
-                         "device sets (first half / second half of jax.devices())")
-    pd = ap.add_argument_group("prefill/decode disaggregation")
-    pd.add_argument("--prefill-workers", default="", help="router: comma-separated host:port of prefill workers")
-    pd.add_argument("--decode-workers", default="", help="router: comma-separated host:port of decode workers")
-    pd.add_argument("--kv-timeout", type=float, default=10.0,
-                    help="decode: seconds a KV reservation (or landed KV) lives without progress")
-    pd.add_argument("--kv-chunk-pages", type=int, default=8, help="prefill: KV pages per transfer chunk")
-    pd.add_argument("--pp", type=int, default=1,
-                    help="prefill / split: pipeline-parallel prefill over this many devices (layers split by FLOPs, "
-                         "prompts in chunks of --max-num-batched-tokens); split: decode on the next device")
-    pd.add_argument("--kv-shm-mb", type=int, default=256,
-                    help="decode: shared-memory arena (MiB) for KV from prefill workers on this host (0: gRPC only); "
-                         "prefill: 0 never offers shared memory")
-    pd.add_argument("--kv-ipc-mb", type=int, default=256,
-                    help="decode on a GPU: device staging buffer (MiB) shared by CUDA IPC with GPU prefill workers on "
-                         "this host (device-to-device KV; 0: none)")
-    pd.add_argument("--kv-copier", default="auto", choices=["auto", "cupy", "jax-pinned", "numpy"],
-                    help="how KV pages move between the device and shared memory")
-    pd.add_argument("--worker-timeout", type=float, default=60.0,
-                    help="router / prefill: seconds to wait for a worker's next message")
-    net = ap.add_argument_group("network")
-    net.add_argument("--host", default="127.0.0.1",
-                     help="gRPC and HTTP listen address (loopback unless you say otherwise)")
-    net.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free port)")
-    net.add_argument("--http-port", type=int, default=None,
-                     help=f"OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                          f"/metrics); 0 turns it off; default {DEFAULT_HTTP_PORT}, or any free port when --port is 0; "
-                          f"roles {', '.join(HTTP_ROLES)} only")
-    net.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics listen address")
-    net.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                     help="Prometheus port (0: any free port, -1: no metrics endpoint)")
-    net.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on shutdown")
-    sec = ap.add_argument_group("security")
-    sec.add_argument("--tls-cert", default=None,
-                     help="PEM certificate (chain): serve gRPC and the HTTP API over TLS (with --tls-key)")
-    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    sec.add_argument("--api-key", default=None,
-                     help="require 'authorization: Bearer <key>' on every gRPC call (else UNAUTHENTICATED; gRPC health "
-                          "checks stay open) and HTTP request (else 401; GET /health stays open); default: the "
-                          "environment variable TBJAX_API_KEY, if set")
-    sec.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                     help="gRPC server reflection (grpcurl can list the services); --no-reflection turns it off")
-    d = Limits()
-    lim = ap.add_argument_group("limits")
-    lim.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context - 1")
-    lim.add_argument("--max-tokens-limit", type=int, default=d.max_tokens, help="largest max_tokens accepted")
-    lim.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
-    lim.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
-                     help="requests running at once (handed to the engine, not finished); more wait in the queue")
-    lim.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                     help="requests waiting in the server's queue for a running place; beyond: "
-                          "RESOURCE_EXHAUSTED / 429")
-    lim.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
-    lim.add_argument("--max-prompt-bytes", type=int, default=None,
-                     help="UTF-8 bytes of prompt text (a chat's contents) checked before tokenizing; default: 32 x the "
-                          "prompt token limit, at least 64 KiB")
-    eng = ap.add_argument_group("engine")
-    eng.add_argument("--max-num-seqs", type=int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
-    eng.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free memory)")
-    eng.add_argument("--page-size", type=int, default=None)
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--kv-dtype", default=None)
-    eng.add_argument("--weight-dtype", default=None, choices=["auto", "bf16", "float32", "fp8", "int8", "int4"],
-                     help="resident weight format: auto = the checkpoint's own quantization (GGUF Q4/Q8 as int4/int8, "
-                          "fp8 block-scaled safetensors as fp8; the default), bf16/float32 = dequantized at load, "
-                          "int8/int4/fp8 = converted at load")
-    eng.add_argument("--layer-buffers", default=None, choices=["stacked", "split", "auto"],
-                     help="engine weight layout: split = per-layer buffers (XLA compiles a step several times faster)")
-    eng.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                     help="launch engine step N+1 before waiting for step N (default: on with an accelerator, off on "
-                          "CPU); --no-overlap-scheduling runs one step at a time")
-    eng.add_argument("--speculative", default=None, metavar="SETTINGS",
-                     help="speculative decoding with a sliding-window draft (off by default): key=value list "
-                          "draft=self|PATH,num_tokens=K,window=W (e.g. draft=self,num_tokens=4,window=128; "
-                          "omitted keys take those defaults) or the same as a JSON object; draft=PATH is a small model "
-                          "with the target's tokenizer. Runs without overlapped scheduling (docs/speculative.md)")
-    eng.add_argument("--mesh", default=None,
-                     help="decode mesh as axis=size list, e.g. dp=4,ep=2 (axes dp, ep, tp, pp; default: one device): "
-                          "requests, KV pools, attention-weight shards and routed experts spread over its devices")
-    eng.add_argument("--attn-gather", default=None, choices=["all_gather", "ppermute"],
-                     help="how each layer's 1/N attention-weight shards are gathered on a mesh (default all_gather)")
-    eng.add_argument("--attn-wire", default=None, choices=["native", "fp8"],
-                     help="attention weights on the wire: the weights' dtype, or fp8 with block scales")
-    eng.add_argument("--ep-mode", default=None, choices=["gather", "all_to_all"],
-                     help="how tokens reach the devices of their routed experts (default gather)")
-    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=_default_warmup(),
-                     help="compile every program the engine can run before reporting ready (health SERVING); "
-                          "--no-warmup serves at once and compiles on first use")
-    eng.add_argument("--engine-process", action="store_true",
-                     help="colocated: run the engine in a child process, off the server's GIL (streams keep up with "
-                          "big batches; the child loads the weights, this process only the tokenizer)")
-    eng.add_argument("--fake-engine", action="store_true",
-                     help="serve serving.fake_engine (a test double, no model) - for testing the front end only")
-    eng.add_argument("--fake-step-time", type=float, default=0.0, help="seconds per fake engine step")
-    eng.add_argument("--fake-warmup-time", type=float, default=0.0, help="seconds the fake engine's warm-up takes")
-    ap.add_argument("--log-level", default="WARNING")
-    return ap
-
-
-def _default_warmup() -> bool:
-    from tbjax.llm import default_warmup      # on unless TBJAX_WARMUP=0
-    return default_warmup()
-
-
-def _engine_kw(a: argparse.Namespace) -> dict:
-    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
-                            ("num_pages", a.num_pages), ("page_size", a.page_size),
-                            ("max_model_len", a.max_model_len), ("kv_dtype", a.kv_dtype),
-                            ("layer_buffers", a.layer_buffers), ("overlap_scheduling", a.overlap_scheduling),
-                            ("mesh", a.mesh), ("weight_dtype", a.weight_dtype))
-          if v is not None}
-    lay = {k: v for k, v in (("attn_gather", a.attn_gather), ("attn_wire", a.attn_wire), ("ep_mode", a.ep_mode))
-           if v is not None}
-    if lay:
-        from sharding.mesh import DecodeLayout
-        kw["decode_layout"] = DecodeLayout(**lay)
-    if a.speculative is not None and a.role not in ("router", "prefill"):   # those never decode
-        from tbjax.engine.speculative import SpeculativeConfig, SpeculativeConfigError
-        try:
-            kw["speculative"] = SpeculativeConfig.parse(a.speculative)
-        except SpeculativeConfigError as e:
-            raise SystemExit(f"tbjax: --speculative: {e}") from None
-    return kw
+def build_parser():
+    """The command line, generated from serving.serve_config.ServeConfig (parse_args returns a ServeConfig)."""
+    return _build_parser(__doc__.split("\n\n")[0])
 
 
 def _child_engine(path, engine_kw: dict, warmup: bool = False, generation_config="auto"):
@@ -185,7 +46,7 @@ def _child_engine(path, engine_kw: dict, warmup: bool = False, generation_config
     return llm.engine
 
 
-def engine_process_model(a: argparse.Namespace):
+def engine_process_model(a: ServeConfig):
     """--engine-process: (the ServedModel the server validates requests with, engine=None; the picklable factory
     that builds the engine in the child). This process reads only the model's spec and tokenizer."""
     import functools
@@ -194,16 +55,14 @@ def engine_process_model(a: argparse.Namespace):
 
     if a.fake_engine:
         from .fake_engine import FakeEngine, fake_served_model
-        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
-                                ("max_num_batched_tokens", a.max_num_batched_tokens),
-                                ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
+        kw = a.engine_sizes()
         model = fake_served_model(**kw)
         model.engine = None
         return model, functools.partial(FakeEngine, step_time_s=a.fake_step_time, warmup_s=a.fake_warmup_time, **kw)
     spec, tok = load_model_info(a.model)
     defaults = _generation_defaults(a)
     tok.add_eos_token_ids(defaults.eos_token_ids)
-    kw = _engine_kw(a)
+    kw = a.engine_kwargs()
     ctx = min(kw.get("max_model_len") or spec.max_position, spec.max_position)
     model = ServedModel(name=a.served_model_name or model_name_for_path(a.model), arch=spec.arch, tokenizer=tok,
                         vocab_size=spec.vocab_size, max_context=ctx,
@@ -212,23 +71,20 @@ def engine_process_model(a: argparse.Namespace):
     return model, functools.partial(_child_engine, a.model, kw, generation_config=defaults)
 
 
-def _generation_defaults(a: argparse.Namespace):
+def _generation_defaults(a: ServeConfig):
     """The served model's sampling defaults (--generation-config); GenerationConfigError (a ValueError) when the file
     is bad."""
     from tbjax.weights import load_generation_defaults
     return load_generation_defaults(None if a.model in (None, "synthetic") else a.model, a.generation_config)
 
 
-def load_served_model(a: argparse.Namespace) -> ServedModel:
+def load_served_model(a: ServeConfig) -> ServedModel:
     if a.fake_engine:
         from .fake_engine import fake_served_model
-        kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("num_pages", a.num_pages),
-                                ("max_num_batched_tokens", a.max_num_batched_tokens),
-                                ("max_model_len", a.max_model_len), ("page_size", a.page_size)) if v is not None}
-        return fake_served_model(step_time_s=a.fake_step_time, warmup_s=a.fake_warmup_time, **kw)
+        return fake_served_model(step_time_s=a.fake_step_time, warmup_s=a.fake_warmup_time, **a.engine_sizes())
     import tbjax
 
-    engine_kw = _engine_kw(a)
+    engine_kw = a.engine_kwargs()
     if a.role == "router":   # the router only tokenizes and validates: its engine never runs
         engine_kw.update(num_pages=2, max_num_seqs=1, max_num_batched_tokens=16)
     if a.pp > 1:
@@ -248,7 +104,7 @@ def load_served_model(a: argparse.Namespace) -> ServedModel:
     return ServedModel.from_llm(llm, name=name)
 
 
-def _pipeline_models(a: argparse.Namespace, engine_kw: dict):
+def _pipeline_models(a: ServeConfig, engine_kw: dict):
     """--pp N: the prefill model is a pipeline over the first N devices; with --role split the decode engine gets
     device N."""
     import jax
@@ -302,14 +158,9 @@ def _llm_on(tbjax, path, device, engine_kw):
         return tbjax.LLM(path, progress=False, warmup=False, **engine_kw)
 
 
-def http_port(a: argparse.Namespace) -> int | None:
-    """The HTTP port to listen on (0: any free port), or None for no HTTP API: --http-port 0 turns it off; unset, it is
-    DEFAULT_HTTP_PORT, or any free port when the gRPC port is (--port 0); prefill / decode workers serve none."""
-    if a.role not in HTTP_ROLES:
-        return None
-    if a.http_port is None:
-        return 0 if a.port == 0 else DEFAULT_HTTP_PORT
-    return None if a.http_port == 0 else a.http_port
+def http_port(a: ServeConfig) -> int | None:
+    """The HTTP port to listen on (0: any free port), or None for no HTTP API (ServeConfig.resolved_http_port)."""
+    return a.resolved_http_port()
 
 
 def _warmup(model: ServedModel, progress: bool = False) -> float:
@@ -331,7 +182,7 @@ def _warmup_line(name: str, info: dict | None) -> str:
             f"{info.get('xla_compiles', 0)} XLA compiles, {info.get('xla_compile_seconds', 0.0):.1f} s")
 
 
-async def _serve_split(a: argparse.Namespace, models) -> int:
+async def _serve_split(a: ServeConfig, models) -> int:
     """Prefill and decode workers on disjoint device sets of this process, behind the public router. KV moves
     between them over the same transfer service (loopback gRPC, SplitZip, per-chunk checksums) as across hosts."""
     pre_model, dec_model = models
@@ -350,8 +201,8 @@ async def _serve_split(a: argparse.Namespace, models) -> int:
                 print(_warmup_line(f"{what} worker", info), file=sys.stderr, flush=True)
 
     try:
-        a = argparse.Namespace(**{**vars(a), "role": "router", "prefill_workers": workers[0].address,
-                                  "decode_workers": workers[1].address})
+        a = dataclasses.replace(a, role="router", prefill_workers=workers[0].address,
+                                decode_workers=workers[1].address)
         return await _serve(a, pre_model, label="split: router + prefill + decode workers in one process",
                             before_ready=workers_ready)
     finally:
@@ -359,13 +210,9 @@ async def _serve_split(a: argparse.Namespace, models) -> int:
             await w.stop(0)
 
 
-async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = None, engine_factory=None,
+async def _serve(a: ServeConfig, model: ServedModel, label: str | None = None, engine_factory=None,
                  before_ready=None) -> int:
-    limits = Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
-                    default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
-                    max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes,
-               max_prompt_bytes=a.max_prompt_bytes)
-    server = Server(model, host=a.host, port=a.port, limits=limits, metrics_host=a.metrics_host,
+    server = Server(model, host=a.host, port=a.port, limits=a.limits(), metrics_host=a.metrics_host,
                     metrics_port=None if a.metrics_port < 0 else a.metrics_port, role=a.role,
                     prefill_workers=[w for w in a.prefill_workers.split(",") if w],
                     decode_workers=[w for w in a.decode_workers.split(",") if w],
@@ -443,51 +290,18 @@ async def _serve(a: argparse.Namespace, model: ServedModel, label: str | None = 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
-    if a.role == "router" and not (a.prefill_workers and a.decode_workers):
-        ap.error("--role router needs --prefill-workers and --decode-workers")
-    if a.role == "split" and a.fake_engine:
-        ap.error("--role split serves the real model; --fake-engine is for colocated front-end tests")
-    if a.pp < 1 or (a.pp > 1 and a.role not in ("prefill", "split")):
-        ap.error(f"--pp must be >= 1, and > 1 only with --role prefill or split (got --pp {a.pp}, --role {a.role})")
-    if a.pp > 1 and a.fake_engine:
-        ap.error("--pp pipelines the real model; --fake-engine has none")
-    if a.role != "router" and (a.prefill_workers or a.decode_workers):
-        ap.error(f"--prefill-workers / --decode-workers are for --role router, not {a.role}")
-    if a.mesh is not None:
-        from sharding.mesh import MeshMismatch, parse_mesh_arg
-        try:
-            parse_mesh_arg(a.mesh)
-        except MeshMismatch as e:
-            ap.error(f"--mesh {a.mesh!r}: {e}")
-        if a.role not in ("colocated", "decode") or a.fake_engine:
-            ap.error(f"--mesh is for the colocated or decode role of a real model (got --role {a.role}"
-                     f"{', --fake-engine' if a.fake_engine else ''})")
-    if (a.tls_cert is None) != (a.tls_key is None):
-        ap.error("--tls-cert and --tls-key go together")
-    for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
-        if path is not None and not os.path.isfile(path):
-            ap.error(f"{flag} {path}: no such file")
-    if a.api_key == "":
-        ap.error("--api-key must not be empty")
-    if a.api_key is None and a.role not in ("prefill", "decode"):
-        a.api_key = os.environ.get("TBJAX_API_KEY") or None
-    if (a.api_key or a.tls_cert) and a.role in ("prefill", "decode"):
-        ap.error(f"--api-key / --tls-cert are for the public server (roles colocated, router, split), not the "
-                 f"{a.role} worker (its router talks to it in plaintext without a key: keep workers on a private "
-                 "network)")
+    try:
+        a.check()
+        a.engine_kwargs()           # --speculative parses
+    except ConfigError as e:
+        ap.error(str(e))
+    a = a.with_environment()
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        Limits(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens_limit,
-               default_max_tokens=a.default_max_tokens, max_concurrent_requests=a.max_concurrent_requests,
-               max_queued_requests=a.max_queued_requests, max_message_bytes=a.max_message_bytes,
-               max_prompt_bytes=a.max_prompt_bytes)
+        a.limits()
     except ValueError as e:
         print(f"tbjax: bad limits: {e}", file=sys.stderr)
         return 2
-    if a.http_port is not None and not 0 <= a.http_port <= 65535:
-        ap.error(f"--http-port must be in 0..65535 (0: no HTTP API), got {a.http_port}")
-    if a.http_port and a.role not in HTTP_ROLES:
-        ap.error(f"--http-port: --role {a.role} serves no HTTP API (only {', '.join(HTTP_ROLES)})")
     if a.generation_config not in ("auto", "none") and not a.fake_engine:
         from tbjax.weights.generation_config import GenerationConfigError, read_generation_config
         try:
@@ -495,12 +309,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except GenerationConfigError as e:
             print(f"tbjax: --generation-config: {e}", file=sys.stderr)
             return 2
-    if a.engine_process and (a.role != "colocated" or a.pp > 1):
-        ap.error(f"--engine-process is for the colocated role (got --role {a.role}"
-                 f"{', --pp ' + str(a.pp) if a.pp > 1 else ''})")
-    if a.engine_process and a.model == "synthetic":
-        ap.error("--engine-process serves a model file (or --fake-engine); the synthetic model is for benchmarks/"
-                 "load_test.py --engine-process")
     t0 = time.perf_counter()
     from tbjax import compile_monitor
     compile_monitor.install()   # count every compile of this process, loading included
@@ -518,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MeshMismatch as e:          # the mesh does not fit the model or the machine: one clear line
         print(f"tbjax: --mesh {a.mesh}: {e}", file=sys.stderr)
         return 2
-    print(f"tbjax: loaded {(model[0] if isinstance(model, tuple) else model).name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    first = model[0] if isinstance(model, tuple) else model
+    print(f"tbjax: loaded {first.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         if a.role == "split":
             return asyncio.run(_serve_split(a, model))

@@ -225,13 +225,13 @@ class IpcArena(Regions):
         rb = _row_bytes(dtype, row_shape)
         if offset < 0 or offset + n * rb > self.size:
             raise ValueError(f"bytes [{offset}, {offset + n * rb}) outside the {self.size}-byte IPC buffer")
-        B = _bucket(n)
+        X = _bucket(n)
         with self.cp.cuda.Device(self.hw):
-            dst = self.cp.empty(B * rb, self.cp.uint8)
+            dst = self.cp.empty(X * rb, self.cp.uint8)
             self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, self.ptr + offset, n * rb,
                                              self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
             self.stream.synchronize()
-        return _view_rows(jax.dlpack.from_dlpack(dst), B, dtype, row_shape)
+        return _view_rows(jax.dlpack.from_dlpack(dst), X, dtype, row_shape)
 
     def close(self) -> None:
         if not self._closed:
@@ -477,23 +477,23 @@ class CupyCopier(HostCopier):
         dtype = np.dtype(dtype)
         rb = _row_bytes(dtype, row_shape)
         seg.view(offset, n * rb)
-        B = _bucket(n)     # padded to a power of two: the pool's scatter compiles once per bucket
+        X = _bucket(n)     # padded to a power of two: the pool's scatter compiles once per bucket
         try:
             self.register(seg)
             hw = device.local_hardware_id if device.local_hardware_id is not None else device.id
             with self.cp.cuda.Device(hw):
-                dst = self.cp.empty(B * rb, self.cp.uint8)
+                dst = self.cp.empty(X * rb, self.cp.uint8)
                 self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, seg.address + offset, n * rb,
                                                  self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
                 self.stream.synchronize()
-            arr = jax.dlpack.from_dlpack(dst)             # uint8 [B * rb] on the device
+            arr = jax.dlpack.from_dlpack(dst)             # uint8 [X * rb] on the device
         except Exception as e:  # noqa: BLE001
             return self._fallback("shm -> device", e).from_shm(seg, offset, n, dtype, row_shape, device)
-        return _view_rows(arr, B, dtype, row_shape)
+        return _view_rows(arr, X, dtype, row_shape)
 
 
-def _view_rows(arr_u8, B, dtype, row_shape):
-    """uint8 device bytes -> [B, *row_shape] of ``dtype`` (a bitcast on the device)."""
+def _view_rows(arr_u8, X, dtype, row_shape):
+    """uint8 device bytes -> [X, *row_shape] of ``dtype`` (a bitcast on the device)."""
     import jax
     import jax.numpy as jnp
 
@@ -502,7 +502,7 @@ def _view_rows(arr_u8, B, dtype, row_shape):
         out = jax.lax.bitcast_convert_type(arr_u8, jnp.dtype(dtype))
     else:
         out = jax.lax.bitcast_convert_type(arr_u8.reshape(-1, isz), jnp.dtype(dtype))
-    return out.reshape(B, *row_shape)
+    return out.reshape(X, *row_shape)
 
 
 class JaxPinnedCopier(HostCopier):
@@ -573,7 +573,7 @@ def _land_stream(cp, hw: int):
 
 
 def _land_fn():
-    """jit: uint8 device bytes -> (rows [B, *row_shape] of dtype, per-chunk checksums): one program per transfer."""
+    """jit: uint8 device bytes -> (rows [X, *row_shape] of dtype, per-chunk checksums): one program per transfer."""
     import functools
 
     import jax
@@ -581,9 +581,9 @@ def _land_fn():
 
     from tbjax.engine.kv_pages import _chunk_checksums
 
-    @functools.partial(jax.jit, static_argnames=("B", "dtype", "row_shape", "chunk_pages"))
-    def land(u8, n, *, B, dtype, row_shape, chunk_pages):
-        rows = _view_rows(u8, B, jnp.dtype(dtype), row_shape)
+    @functools.partial(jax.jit, static_argnames=("X", "dtype", "row_shape", "chunk_pages"))
+    def land(u8, n, *, X, dtype, row_shape, chunk_pages):
+        rows = _view_rows(u8, X, jnp.dtype(dtype), row_shape)
         return rows, _chunk_checksums(rows, n, chunk_pages=chunk_pages)
     return land
 
@@ -618,10 +618,10 @@ class Landing:
             import cupy
 
             self.cp = cupy
-            self.B = _bucket(self.n)
+            self.X = _bucket(self.n)
             self.stream = _land_stream(cupy, self.hw)
             with cupy.cuda.Device(self.hw):
-                self._dst = cupy.empty(self.B * self.rb, cupy.uint8)
+                self._dst = cupy.empty(self.X * self.rb, cupy.uint8)
         return self._dst
 
     def _async(self, src_ptr: int, first: int, m: int, kind: int) -> None:
@@ -670,8 +670,8 @@ class Landing:
             if _LAND is None:
                 _LAND = _land_fn()
             u8 = jax.dlpack.from_dlpack(self._dst)
-            rows, ab = _LAND(u8, np.int32(self.n), B=self.B, dtype=self.dtype.name, row_shape=self.row_shape,
-                             chunk_pages=c if uniform else self.B)
+            rows, ab = _LAND(u8, np.int32(self.n), X=self.X, dtype=self.dtype.name, row_shape=self.row_shape,
+                             chunk_pages=c if uniform else self.X)
             if uniform:
                 return rows, _sums_by_first(ab, self.n, c)
             return rows, _sums_each(rows, firsts)

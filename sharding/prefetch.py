@@ -18,36 +18,36 @@ import jax
 import jax.numpy as jnp
 
 
-def gather_buffer(shard_B, axes: Sequence[str], mode: str = "all_gather"):
-    """Assemble the full buffer [N*B] from this device's shard [B] (N = size of `axes`, shard i on index i)."""
+def gather_buffer(shard_Z, axes: Sequence[str], mode: str = "all_gather"):
+    """Assemble the full buffer [N*Z] from this device's shard [Z] (N = size of `axes`, shard i on index i)."""
     axes = tuple(axes)
     if not axes:
-        return shard_B
+        return shard_Z
     if mode == "all_gather":
-        return jax.lax.all_gather(shard_B, axes, axis=0, tiled=True)
+        return jax.lax.all_gather(shard_Z, axes, axis=0, tiled=True)
     if mode != "ppermute":
         raise ValueError(f"gather mode must be 'all_gather' or 'ppermute', got {mode!r}")
     n = jax.lax.axis_size(axes)
     if n == 1:
-        return shard_B
-    B = shard_B.shape[0]
+        return shard_Z
+    Z = shard_Z.shape[0]
     idx = jax.lax.axis_index(axes)
-    full = jnp.zeros((n * B,), shard_B.dtype)
+    full = jnp.zeros((n * Z,), shard_Z.dtype)
     full = jax.lax.pcast(full, axes, to="varying")
-    full = jax.lax.dynamic_update_slice(full, shard_B, (idx * B,))
-    cur = shard_B
+    full = jax.lax.dynamic_update_slice(full, shard_Z, (idx * Z,))
+    cur = shard_Z
     ring = [(j, (j + 1) % n) for j in range(n)]
     for step in range(1, n):
         cur = jax.lax.ppermute(cur, axes, ring)          # now holds the shard of device idx - step
         src = (idx - step) % n
-        full = jax.lax.dynamic_update_slice(full, cur, (src * B,))
+        full = jax.lax.dynamic_update_slice(full, cur, (src * Z,))
     return full
 
 
-def prefetch_scan(step: Callable, x, buf0, xs, next_shards_LB, fetch: Callable, unroll: int | bool = 1):
+def prefetch_scan(step: Callable, x, buf0, xs, next_shards_LZ, fetch: Callable, unroll: int | bool = 1):
     """Scan `step(x, buf, xs_l) -> (x, ys_l)` over layers, gathering layer l+1 while layer l computes.
 
-    buf0: the gathered buffer of the first layer; next_shards_LB[l]: this device's shard of layer l+1's buffer;
+    buf0: the gathered buffer of the first layer; next_shards_LZ[l]: this device's shard of layer l+1's buffer;
     fetch(shard) -> gathered buffer. Returns (x, buf_after_last, ys): buf_after_last is the gathered buffer of the
     layer after the scanned ones (for a following scan or a final peeled layer).
     """
@@ -58,5 +58,5 @@ def prefetch_scan(step: Callable, x, buf0, xs, next_shards_LB, fetch: Callable, 
         x, ys = step(x, buf, xs_l)
         return (x, nxt), ys
 
-    (x, buf), ys = jax.lax.scan(body, (x, buf0), (xs, next_shards_LB), unroll=unroll)
+    (x, buf), ys = jax.lax.scan(body, (x, buf0), (xs, next_shards_LZ), unroll=unroll)
     return x, buf, ys

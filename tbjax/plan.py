@@ -23,13 +23,13 @@ import jax.numpy as jnp
 
 from sharding import packed as pk
 from sharding.mesh import AXES, DecodeLayout, MeshMismatch, axes_size, parse_mesh_arg
+from tbjax.model import quant
 from tbjax.model.kinds import ATTENTION_KINDS
 from tbjax.model.params import init_params
 from tbjax.spec import ModelSpec, SpecError
 
 GIB = 1024 ** 3
 KINDS = ("attention", "routed experts", "shared experts", "dense FFN", "router", "embedding + head", "norms")
-FP8_BLOCK = (128, 128)
 
 
 class PlanError(ValueError):
@@ -61,36 +61,36 @@ def _kind(spec: ModelSpec, path: tuple[str, ...]) -> str:
     return "dense FFN"
 
 
-def _fp8_matrix(kind: str, shape) -> bool:
-    return kind in ("attention", "routed experts", "shared experts", "dense FFN") and len(shape) >= 3
+def leaf_bytes(name: str, shape, weights: str, dtype, *, checkpoint: bool = False) -> int:
+    """Resident bytes of one parameter leaf when the model's matrices are held as `weights` (fp8, int8, int4: the
+    byte count of tbjax/model/quant.py's own layout for that leaf, codes plus float32 scales and zeros; float: the
+    dtype's). Norms, biases and routers stay float (quant.matrix_in_axis); a `checkpoint` fp8 model (DeepSeek /
+    Kimi block-scaled files) also keeps its embedding and head float, as the file ships them."""
+    ax = quant.matrix_in_axis(name, len(shape))
+    if weights in quant.FORMATS and ax is not None and not (checkpoint and name in ("embed", "lm_head")):
+        return quant.quantized_nbytes(shape, weights, ax)
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def leaf_bytes(shape, kind: str, weights: str, dtype) -> int:
-    """Bytes of one stacked leaf. fp8: e4m3 matrices plus one float32 scale per 128x128 block."""
-    n = math.prod(shape)
-    if weights == "fp8" and _fp8_matrix(kind, shape):
-        blocks = math.prod(shape[:-2]) * math.ceil(shape[-2] / FP8_BLOCK[0]) * math.ceil(shape[-1] / FP8_BLOCK[1])
-        return n + 4 * blocks
-    return n * jnp.dtype(dtype).itemsize
+WEIGHTS = ("checkpoint", "fp8", "int8", "int4", "bfloat16", "float16", "float32")
 
 
 def resolve_weights(spec: ModelSpec, weights: str) -> str:
     if weights == "checkpoint":
         return "fp8" if spec.quant == "fp8_block128" else spec.dtype
-    if weights not in ("fp8", "bfloat16", "float16", "float32"):
-        raise PlanError(f"--weights must be checkpoint, fp8, bfloat16, float16 or float32, got {weights!r}")
+    if weights not in WEIGHTS:
+        raise PlanError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     return weights
 
 
 def weight_bytes(spec: ModelSpec, weights: str = "checkpoint") -> dict[str, int]:
-    """Total bytes (whole model) per kind of weight."""
+    """Total bytes (whole model) per kind of weight, as held resident."""
     w = resolve_weights(spec, weights)
-    dt = spec.dtype if w == "fp8" else w
+    dt = spec.dtype if w in quant.FORMATS else w
     out = dict.fromkeys(KINDS, 0)
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(spec))[0]:
         names = tuple(str(getattr(p, "key", p)) for p in path)
-        k = _kind(spec, names)
-        out[k] += leaf_bytes(leaf.shape, k, w, dt)
+        out[_kind(spec, names)] += leaf_bytes(names[-1], leaf.shape, w, dt, checkpoint=weights == "checkpoint")
     return out
 
 
@@ -103,13 +103,14 @@ def param_counts(spec: ModelSpec) -> dict[str, int]:
 
 
 def attention_layout(spec: ModelSpec, weights: str = "checkpoint") -> pk.PackedLayout:
-    """The packed per-layer attention buffer the decode program would ship (fp8 weights travel as fp8)."""
+    """The packed per-layer attention buffer the decode program would ship: fp8 weights travel as fp8, int8 / int4
+    ones dequantized to the compute dtype (tbjax/model/mesh_forward.stack_attention)."""
     w = resolve_weights(spec, weights)
     akind = spec.layer_kind(0)[0]
     shapes = ATTENTION_KINDS[akind].shapes(spec)
-    dt = spec.dtype if w == "fp8" else w
+    dt = spec.dtype if w in quant.FORMATS else w
     return pk.make_layout({k: (v, dt) for k, v in shapes.items()}, wire="fp8" if w == "fp8" else "native",
-                          block=FP8_BLOCK)
+                          block=quant.FP8_BLOCK)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "bfloat16") -> int:
@@ -171,7 +172,7 @@ def plan(spec: ModelSpec, mesh_shape: dict[str, int], layout: DecodeLayout = Dec
     total = weight_bytes(spec, weights)
     lay = attention_layout(spec, weights)
     layer = lay.padded_bytes(1)
-    attn_repl = spec.n_layers * layer
+    attn_repl = total["attention"]             # replicated: every layer's weights as held resident
     attn_shard = spec.n_layers * lay.shard_bytes(n_attn) + (2 * lay.padded_bytes(n_attn) if n_attn > 1 else 0)
     common = {k: v for k, v in total.items() if k not in ("attention", "routed experts")}
     common["routed experts"] = total["routed experts"] // n_ep if spec.moe else 0
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192, help="tokens per request (default 8192)")
     ap.add_argument("--hbm-gib", type=float, default=140.0,
                     help="device memory in GiB (default 140: an H200 reports 143771 MiB)")
-    ap.add_argument("--weights", default="checkpoint", help="checkpoint (as stored), fp8, bfloat16")
+    ap.add_argument("--weights", default="checkpoint",
+                    help="matrices as held: checkpoint (as stored), fp8, int8, int4, bfloat16, float16, float32")
     ap.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 or fp8")
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="workspace kept free (default 4)")
     ap.add_argument("--experts-over", default="dp,ep", help="mesh axes the experts are split over")

@@ -102,24 +102,24 @@ def kv_head_shape(spec: ModelSpec, attention: str) -> tuple[int, int]:
     return spec.n_kv_heads, spec.head_dim
 
 
-def chunk_attention(q_TNH, k_SKH, v_SKH, q_pos_T, *, scale: float, window: int | None = None,
+def chunk_attention(q_TNH, k_JKH, v_JKH, q_pos_T, *, scale: float, window: int | None = None,
                     soft_cap: float | None = None):
     """Queries of one chunk over the whole K/V buffer (position = buffer index), causal, float32 softmax."""
     T, N, H = q_TNH.shape
-    S, K = k_SKH.shape[:2]
+    J, K = k_JKH.shape[:2]
     g = N // K
     q = q_TNH.astype(jnp.float32).reshape(T, K, g, H)
-    s = jnp.einsum("tkgh,skh->kgts", q, k_SKH.astype(jnp.float32)) * scale
+    s = jnp.einsum("tkgh,jkh->kgtj", q, k_JKH.astype(jnp.float32)) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    kpos = jnp.arange(S)[None, :]
+    kpos = jnp.arange(J)[None, :]
     mask = kpos <= q_pos_T[:, None]
     if window is not None:
         mask &= kpos > q_pos_T[:, None] - window
     s = jnp.where(mask[None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("kgts,skh->tkgh", p, v_SKH.astype(jnp.float32))
-    return o.reshape(T, N, v_SKH.shape[-1]).astype(q_TNH.dtype)
+    o = jnp.einsum("kgtj,jkh->tkgh", p, v_JKH.astype(jnp.float32))
+    return o.reshape(T, N, v_JKH.shape[-1]).astype(q_TNH.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +200,12 @@ class PipelinePrefill:
 
     def prefill(self, token_ids):
         """(logits_V float32 of the last token, [(k [n, K, H], v [n, K, H]) per layer] as device arrays)."""
+        logits, kv, n = self.prefill_padded(token_ids)
+        return logits, [(k[:n], v[:n]) for k, v in kv]
+
+    def prefill_padded(self, token_ids):
+        """As `prefill`, with each layer's K/V padded to whole chunks ([n_chunks * chunk, K, H]) and n returned:
+        no per-length slice, so a prefill after warm-up compiles nothing. -> (logits_V, kv, n)."""
         ids = np.asarray(token_ids, np.int32).reshape(-1)
         n = ids.shape[0]
         if n == 0:
@@ -224,8 +230,7 @@ class PipelinePrefill:
                 x, kv[st.index] = fn(p, x, jax.device_put(pos, st.device), start, kv[st.index],
                                      last_row=jnp.int32(max(last_row, 0)))
             logits = x if c == n_chunks - 1 else None
-        per_layer = [(k[:n], v[:n]) for stage_kv in kv for k, v in stage_kv]
-        return logits, per_layer
+        return logits, [(k, v) for stage_kv in kv for k, v in stage_kv], n
 
 
 def _no_mla_export(spec: ModelSpec) -> None:
@@ -235,12 +240,16 @@ def _no_mla_export(spec: ModelSpec) -> None:
                                   "yet (PipelinePrefill.prefill itself works for MLA models)")
 
 
-def kv_to_transfer_pages(spec: ModelSpec, kv, page_size: int, kv_dtype: str, device=None):
-    """Dense per-layer prompt K/V ([n, K, H] each, any devices) -> the paged transfer layout of a decode engine:
+def kv_to_transfer_pages(spec: ModelSpec, kv, page_size: int, kv_dtype: str, device=None, n: int | None = None):
+    """Dense per-layer prompt K/V ([n, K, H] each, any devices; or padded, with the prompt's first `n` rows) -> the
+    paged transfer layout of a decode engine:
     pages [n_pages, L, G, 2K, H] and fp8 scales [n_pages, L, 2K] (None for bf16/f32), written by the engine's own
     `write_kv` into fresh pools, so quantization and the K/V interleave are exactly the engine's."""
     _no_mla_export(spec)
-    n = int(kv[0][0].shape[0])
+    rows = int(kv[0][0].shape[0])
+    n = rows if n is None else int(n)
+    if not 0 < n <= rows:
+        raise ValueError(f"n={n} prompt tokens, but the K/V hold {rows} rows")
     n_pages = -(-n // page_size)
     # page 0 of the scratch pools is the null page; the prompt fills pages 1..n_pages
     pools = init_kv_cache(spec, KVCacheConfig(num_pages=n_pages + 1, page_size=page_size, dtype=kv_dtype))
@@ -249,6 +258,7 @@ def kv_to_transfer_pages(spec: ModelSpec, kv, page_size: int, kv_dtype: str, dev
     pages, scales = [], []
     for (pg, sc), (k, v) in zip(pools, kv):
         pg, sc = jax.device_put((pg, sc), device)
+        k, v = (k, v) if k.shape[0] == n else (k[:n], v[:n])
         pg, sc = write(pg, sc, jax.device_put(k, device), jax.device_put(v, device), jax.device_put(slots, device))
         pages.append(pg[1:])
         scales.append(None if sc is None else sc[1:])
@@ -342,7 +352,7 @@ class PipelinePrefillEngine:
         if not self._queue:
             return []
         rid, ids, p, seed = self._queue.pop(0)
-        logits, kv = self.pipe.prefill(ids)
+        logits, kv, n = self.pipe.prefill_padded(ids)
         f32 = lambda v: jnp.asarray([v], jnp.float32)   # noqa: E731
         tok, _ = sample(logits[None].astype(jnp.float32), f32(p.temperature), jnp.asarray([p.top_k], jnp.int32),
                         f32(p.top_p), f32(p.min_p), jnp.asarray([seed], jnp.uint32),
@@ -356,7 +366,7 @@ class PipelinePrefillEngine:
         if stop_str is not None:
             text = text[:text.find(stop_str)]
         reason = "stop" if (stop_tok or stop_str is not None) else "length"
-        self._done[rid] = (ids, first, kv)
+        self._done[rid] = (ids, first, (kv, n))
         return [RequestOutput(rid, [first], text, True, reason)]
 
     def export_kv(self, request_id, *, on_device: bool = False):
@@ -366,8 +376,8 @@ class PipelinePrefillEngine:
         got = self._done.pop(request_id, None)
         if got is None:
             raise KeyError(f"request {request_id!r} has no KV to export (unknown, still queued or already exported)")
-        ids, first, kv = got
-        pages, scales, n_pages = kv_to_transfer_pages(self.spec, kv, self.page_size, self.kv_dtype, self.device)
+        ids, first, (kv, n) = got
+        pages, scales, n_pages = kv_to_transfer_pages(self.spec, kv, self.page_size, self.kv_dtype, self.device, n=n)
         if on_device:
             return KVExport(request_id, ids, first, None, None, pages, scales, n_pages)
         hp = np.asarray(jax.device_get(pages))

@@ -93,6 +93,26 @@ def _row_key(seed, position):
 
 
 SAMPLE_CANDIDATES = 64   # the fast path's candidate set (lax.top_k) before falling back to a full sort
+TOPK_ROUND = 16          # XLA:GPU runs lax.top_k with k <= 16 as one TopK kernel; a larger k becomes a [B, V] sort
+
+
+def top_k(x_BV, k: int):
+    """(values, ids) of the k largest entries of each row, like ``lax.top_k``, in rounds of at most TOPK_ROUND
+    (each round's winners masked to -inf before the next): on XLA:GPU a [32, 128k] lax.top_k with k = 20 is a
+    segmented radix sort of every row (~0.8 ms, a tenth of a Llama-8B decode step), k <= 16 one TopK kernel.
+    Same values in the same order as ``lax.top_k``; among equal values the ids may differ. Rows need at least k
+    entries above -inf (logits and log-softmax rows have no -inf)."""
+    if k <= TOPK_ROUND:
+        return jax.lax.top_k(x_BV, k)
+    rows = jnp.arange(x_BV.shape[0])[:, None]
+    vals, ids = [], []
+    for r in range(0, k, TOPK_ROUND):
+        v, i = jax.lax.top_k(x_BV, min(TOPK_ROUND, k - r))
+        vals.append(v)
+        ids.append(i)
+        if r + TOPK_ROUND < k:
+            x_BV = x_BV.at[rows, i].set(-jnp.inf)
+    return jnp.concatenate(vals, axis=-1), jnp.concatenate(ids, axis=-1)
 
 
 def _keep_sorted(s_sorted_BC, lse_B1, top_k_B, top_p_B, min_p_B):

@@ -22,7 +22,9 @@ def tiny_spec(**kw) -> ModelSpec:
 
 
 def byte_tokenizer() -> TextTokenizer:
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    """A fixed id for each of ByteLevel's 256 characters (sorted: `ByteLevel.alphabet()` returns them in a different
+    order on every call, tokenizers 0.23, and two instances must decode alike)."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()

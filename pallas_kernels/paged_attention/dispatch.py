@@ -115,14 +115,40 @@ def _decode_from_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   return out.at[jnp.where(has_q, row_S, T)].set(out_SNH, mode="drop")
 
 
+# Steps of at most this many token rows run every row through the decode kernel (rows_as_decodes): one attention
+# launch per layer for decode-only steps (the decode buckets), at the price of a small chunk's rows each reading their
+# sequence's KV. Larger steps split decodes (decode kernel) from chunks (ragged kernel). H200, Llama-8B 32 x 1k:
+# running the ragged kernel too in a decode-only step cost ~0.5 ms per step (an empty launch, a select and a
+# transpose per layer); benchmarks/RESULTS.md.
+ROWS_AS_DECODES_MAX_T = 64
+
+
+def rows_as_decodes(block_tables_SP, kv_lens_S, cu_q_lens_S1, T: int):
+  """Every token row of a ragged batch as a one-query "sequence" of its own: row t of sequence s (query rows
+  [cu[s], cu[s+1])) attends to the first kv_lens[s] - (cu[s+1] - 1 - t) positions of s's block-table row (the causal
+  prefix up to and including its own token). -> (block_tables_TP, kv_lens_T). Rows past cu[S] (padding) get kv
+  length 1 on their table row (pools hold finite values, so padding rows stay finite: a kernel leaves kv-length-0
+  outputs unwritten)."""
+  S = kv_lens_S.shape[0]
+  cu = cu_q_lens_S1.astype(jnp.int32)
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq_T = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right", method="compare_all").astype(jnp.int32), S - 1)
+  live = t < cu[S]
+  kv_T = jnp.take(kv_lens_S, seq_T) - (jnp.take(cu, seq_T + 1) - 1 - t)
+  kv_T = jnp.where(live, jnp.maximum(kv_T, 1), 1).astype(jnp.int32)
+  return jnp.take(block_tables_SP, seq_T, axis=0), kv_T
+
+
 def step_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None, soft_cap=None,
-                   sliding_window=None, kv_scales_PK=None, impl="auto"):
+                   sliding_window=None, kv_scales_PK=None, impl="auto", rows_as_decodes_max_t=None):
   """The engine step's attention: decode-only and mixed batches alike (ragged semantics, reference.py), the block
   table as wide as the longest allowed sequence, padding sequences at kv_len 0. -> [T, N, H].
 
-  With kernels, the sequences that have one query row run in the decode kernel (split over the kv length) and the
-  others in the ragged kernel, each kernel seeing the other's sequences at kv_len 0 (no work); elsewhere the
-  blocked jnp loop, whose cost follows the live lengths."""
+  With kernels: steps of at most `rows_as_decodes_max_t` rows (default ROWS_AS_DECODES_MAX_T) run every row in the
+  decode kernel (`rows_as_decodes`); larger steps send the sequences that have one query row to the decode kernel
+  (split over the kv length) and the others to the ragged kernel, each kernel seeing the other's sequences at kv_len
+  0 (no work). Elsewhere the blocked jnp loop, whose cost follows the live lengths. Rows past the last sequence's
+  are padding: their values are unspecified (finite)."""
   common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, kv_scales_PK,
                       soft_cap=soft_cap, sliding_window=sliding_window)
   which = "blocked" if impl == "auto" and _platform_impl() == "reference" else resolve_impl(impl)
@@ -133,6 +159,9 @@ def step_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S
   S = kv_lens_S.shape[0]
   if S > T:
     raise ValueError(f"step_attention needs at most as many sequences as tokens, got S={S} > T={T}")
+  if T <= (ROWS_AS_DECODES_MAX_T if rows_as_decodes_max_t is None else rows_as_decodes_max_t):
+    bt_TP, kv_T = rows_as_decodes(block_tables_SP, kv_lens_S, cu_q_lens_S1, T)
+    return paged_decode_attention(q_TNH, kv_pages_PGKH, bt_TP, kv_T, impl=which, **kw)
   # The leading run of one-row sequences (the step's decodes: the scheduler puts them first) has sequence s at
   # row s: those go to the decode kernel and come back by a select (no scatter); every other sequence, one-row
   # prefill chunks included, goes to the ragged kernel.

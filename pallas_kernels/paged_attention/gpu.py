@@ -20,7 +20,7 @@ Design notes
   to read load neither q nor pages, ragged rows of kv_len-0 sequences get no work item (their rows are 0), and
   the ragged grid only runs the real items. What still scales with S: the decode grid (an idle program costs
   its launch and a tiny store: H200, 32 x 1k in 256 slots +10 us) and the static split count, chosen as if all
-  S slots were live (1 live sequence in 256 slots: 8.9x its tight time). work_list=True (WORK_LIST) picks the
+  S slots were live (1 live sequence in 256 slots: 8.9x its tight time). work_list=True (tuning: work_list) picks the
   split count at run time (decode_work_list) and fixes that case (to 2.9x), but its XLA glue (work list + merge,
   ~15-25 us on the H200) makes it slower everywhere else, so it is opt-in.
 - A step covers BK kv tokens: ppb whole pages (G <= BK) or a 1/spp slice of one page (G > BK). K and V of
@@ -41,7 +41,7 @@ ceiling from batch 8 x 1k up (batch 32 x 1k: 91%, 0.035 ms; batch 8 x 8k: 94%), 
 defaults (128 x 2, "sms2") and 1.6-1.9x faster than JAX's deprecated Triton paged_attention. Batch 1 stays
 latency-bound (14-77%). fp8 pools run in gpu_fp8.py's warp-specialized kernel: 0.64x the previous fp8 time, but
 still 1.09-1.38x the bf16 time (goal <= 0.6x NOT met; see gpu_fp8.py for what limits it). Not measured on a GPU:
-fp8_qk=True (FP8_QK, default off) runs QK^T as an fp8 wgmma with q quantized per row to e4m3, widening only V, in
+fp8_qk=True (tuning: fp8_qk, default off) runs QK^T as an fp8 wgmma with q quantized per row to e4m3, widening only V, in
 both fp8 kernels (see gpu_fp8.py); the default stays the exact f16 path until a measurement shows it faster.
 """
 from __future__ import annotations
@@ -58,7 +58,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.utils import device_sm_count
 
-from . import common, gpu_fp8
+from . import common, gpu_fp8, tuning
+from .work_items import gather_item_rows, ragged_work_items, tile_major_q  # noqa: F401 (gpu.* names)
 from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, decode_program, issue_block_tmas,
                          online_softmax_step, page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
 
@@ -138,16 +139,8 @@ def ring_scratch(cfg):
 
 
 SMEM_LIMIT = 220 * 1024
-FP8_CONVERTERS = 1  # converter warpgroups for fp8 decode (0: inline conversion); H200: 1 converter,
-#                    128-token steps x 2 stages = 0.64x the inline kernel's time at batch 8 x 8k
-FP8_COMPUTE_WGS = 1  # compute warpgroups of the warp-specialized fp8 kernel (2: opt-in, not measured on a GPU)
-FP8_QK = False  # fp8 decode: True runs QK^T as an fp8 wgmma on the stored K bytes with q quantized per row to
-#                 e4m3 (scale folded into the logit scale), widening only V; False = exact f16 path (q in f16)
-FP8_CONVERT = "cvt"  # warp-specialized fp8 widening: "cvt" (hardware cvt via astype) or "bits" (integer ops,
-#                      1.4-1.6x slower than cvt on the H200)
-SPLIT_POLICY = "waves"  # split-K policy (choose_splits): "waves" beat "sms2" at every measured shape
-RAGGED_WAVES = 4  # ragged: persistent programs = this many waves (each loops over the real work items)
-WORK_LIST = False  # dense decode: True = run-time split choice over a work list (decode_work_list); see make_config
+# The tuned launch parameters (converter warpgroups, split policy, ragged waves, work list, fp8 variants) are data:
+# tuning.py, one row per device kind.
 
 
 def smem_bytes(BK, H, stages, fp8, p_via_smem=False, qk8=False):
@@ -547,10 +540,10 @@ def combine_splits(o_part, m_part, l_part, K, g):
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
                 sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
                 fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None,
-                max_kv_len=None, work_list=None):
+                max_kv_len=None, work_list=None, ragged_waves=None):
   """Static kernel description.
 
-  work_list (dense decode with one compute warpgroup; None = WORK_LIST): the split count is chosen at run time
+  work_list (dense decode with one compute warpgroup; None = tuning.current().work_list): the split count is chosen at run time
   from the real lengths (decode_work_list); `splits` then forces every live sequence into that many chunks.
   Otherwise (sparse decode, fp8_compute_wgs=2, work_list=False) the split count is static (choose_splits from
   the table width, or from max_kv_len: an optional static bound on the kv lengths, a hint that only steers that
@@ -561,16 +554,17 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   g = N // K
   fp8 = common.is_fp8(pool_dtype)
   check_supported(N, K, G, H, out_dtype, pool_dtype)
-  fp8_converters = FP8_CONVERTERS if fp8_converters is None else fp8_converters
-  split_policy = SPLIT_POLICY if split_policy is None else split_policy
+  tun = tuning.current()
+  fp8_converters = tun.fp8_converters if fp8_converters is None else fp8_converters
+  split_policy = tun.split_policy if split_policy is None else split_policy
   converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
-  compute_wgs = (FP8_COMPUTE_WGS if fp8_compute_wgs is None else int(fp8_compute_wgs)) if converters else 1
-  qk8 = bool(FP8_QK if fp8_qk is None else fp8_qk) and fp8 and not ragged_tiles
+  compute_wgs = (tun.fp8_compute_wgs if fp8_compute_wgs is None else int(fp8_compute_wgs)) if converters else 1
+  qk8 = bool(tun.fp8_qk if fp8_qk is None else fp8_qk) and fp8 and not ragged_tiles
   if converters and block_kv is None and stages is None:
     bk_ws, st_ws = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs, qk8)
     if gpu_fp8.smem_bytes_ws(bk_ws, H, st_ws, converters, compute_wgs, qk8) > SMEM_LIMIT:
       converters, compute_wgs = 0, 1  # e.g. H = 256: the f16 staging does not fit; the inline kernel does
-  fp8_convert = FP8_CONVERT if fp8_convert is None else fp8_convert
+  fp8_convert = tun.fp8_convert if fp8_convert is None else fp8_convert
   if fp8_convert not in ("cvt", "bits"):
     raise ValueError(f"fp8_convert must be 'cvt' or 'bits', got {fp8_convert!r}")
   fp8_bits = bool(converters) and fp8_convert == "bits" and H % 128 == 0 and not qk8  # halves = whole swizzle tiles
@@ -600,7 +594,7 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
     n_blocks = common.cdiv(tokens, BK) + (1 if sliding_window is not None else 0)
   n_blocks = max(1, n_blocks)
   programs = 0
-  work_list = WORK_LIST if work_list is None else bool(work_list)
+  work_list = tun.work_list if work_list is None else bool(work_list)
   worklist = work_list and not sparse and not ragged_tiles and compute_wgs == 1
   extra = wave = forced = 0
   if worklist:  # the split count is chosen at run time (decode_work_list); static: one wave's worth of extras
@@ -612,10 +606,11 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
     splits = 1
   elif ragged_tiles:
     splits = 1
-    # Persistent ragged grid: up to RAGGED_WAVES waves of programs (enough slack for the hardware scheduler to even
+    # Persistent ragged grid: up to `ragged_waves` (tuning.py) waves of programs (enough slack for the hardware scheduler to even
     # out unequal items), never more than the list holds.
     slots = _num_sms() * max(1, min(8, (228 * 1024) // (need + 1024)))
-    programs = max(1, min(ragged_tiles, common.cdiv(RAGGED_WAVES * slots, K)))
+    waves = tun.ragged_waves if ragged_waves is None else ragged_waves
+    programs = max(1, min(ragged_tiles, common.cdiv(waves * slots, K)))
   elif splits is None:
     splits = choose_splits(S * K, n_blocks, split_policy, need)
   steps = common.cdiv(n_blocks, splits)
@@ -665,7 +660,7 @@ def quantize_q_rows(q_SNH):
   """Per-row (sequence, head) e4m3 quantization of q for the fp8 QK^T wgmma: q ~= q8 * s.
 
   s = max|q_row| / 448 (1 for an all-zero row), q8 = round-to-nearest-even(q / s) in e4m3fn. The e4m3 rounding
-  (3 mantissa bits: relative error <= 2^-4 per element) is the accuracy cost of FP8_QK; the kernel's result
+  (3 mantissa bits: relative error <= 2^-4 per element) is the accuracy cost of fp8_qk; the kernel's result
   equals the fp8-aware reference evaluated at q8 * s (tests/kernels/test_paged_attention_gpu.py).
   Returns (q8 [S, N, H] float8_e4m3fn, s [S, N] float32).
   """
@@ -707,16 +702,15 @@ def _run_decode(cfg, q_SNH, kv_pages_PGKH, bt, kv_lens_S, nsel, lp, kv_scales_PK
   return out[:, :N].astype(q_SNH.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
-                                             "interpret", "fp8_converters", "split_policy", "fp8_convert",
-                                             "fp8_compute_wgs", "fp8_qk", "max_kv_len", "work_list"))
 def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale=None, soft_cap=None,
                                sliding_window=None, kv_scales_PK=None, splits=None, block_kv=None, stages=None,
                                interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None,
                                fp8_compute_wgs=None, fp8_qk=None, max_kv_len=None, work_list=None):
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
+  Tuned fields left None take the row in force (tuning.current()); they are static arguments of the jitted kernel
+  call, so a `tuning.override` is never hidden by a cached trace.
 
-  Cost follows kv_lens, not the table width nor the number of slots: by default (work_list, WORK_LIST) each live
+  Cost follows kv_lens, not the table width nor the number of slots: by default (work_list, tuning.current().work_list) each live
   sequence is cut at run time into chunks in proportion to its real length so that one wave of programs shares
   out the real work (decode_work_list), a kv_len-0 slot's program exits at once (no q, no pages, no store), and
   only split sequences are merged afterwards (combine_work_list). `splits` forces that many chunks per sequence.
@@ -725,12 +719,28 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
   and idle programs skipping q and pages.
 
   fp8_converters: fp8 pools only; 0 = conversion inline in the one warpgroup, > 0 = warp-specialized kernel
-  (gpu_fp8.py) with that many converter warpgroups; None = FP8_CONVERTERS. split_policy: see choose_splits;
-  None = SPLIT_POLICY. fp8_convert: "cvt" | "bits" widening in the warp-specialized kernel; None = FP8_CONVERT.
-  fp8_compute_wgs: 1 | 2 compute warpgroups in the warp-specialized kernel; None = FP8_COMPUTE_WGS.
+  (gpu_fp8.py) with that many converter warpgroups; None = the tuning row's (tuning.py), as for the others. split_policy: see choose_splits;
+  fp8_convert: "cvt" | "bits" widening in the warp-specialized kernel.
+  fp8_compute_wgs: 1 | 2 compute warpgroups in the warp-specialized kernel.
   fp8_qk: fp8 pools only; True = QK^T as an fp8 wgmma with q quantized per row to e4m3 (quantize_q_rows; only V
-  is widened), False = exact f16 path; None = FP8_QK.
+  is widened), False = exact f16 path.
   """
+  tun = tuning.current()
+  pick = lambda v, d: d if v is None else v   # noqa: E731
+  return _paged_decode_attention_gpu(
+      q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+      kv_scales_PK=kv_scales_PK, splits=splits, block_kv=block_kv, stages=stages, interpret=interpret,
+      fp8_converters=pick(fp8_converters, tun.fp8_converters), split_policy=pick(split_policy, tun.split_policy),
+      fp8_convert=pick(fp8_convert, tun.fp8_convert), fp8_compute_wgs=pick(fp8_compute_wgs, tun.fp8_compute_wgs),
+      fp8_qk=pick(fp8_qk, tun.fp8_qk), max_kv_len=max_kv_len, work_list=pick(work_list, tun.work_list))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
+                                             "interpret", "fp8_converters", "split_policy", "fp8_convert",
+                                             "fp8_compute_wgs", "fp8_qk", "max_kv_len", "work_list"))
+def _paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale, soft_cap,
+                                sliding_window, kv_scales_PK, splits, block_kv, stages, interpret, fp8_converters,
+                                split_policy, fp8_convert, fp8_compute_wgs, fp8_qk, max_kv_len, work_list):
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
   cfg = make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
@@ -742,94 +752,24 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 
-def _count_le(vals, n: int):
-  """[n] int32: for i in 0..n-1, the number of entries of (sorted) vals that are <= i = searchsorted(vals, i,
-  "right"). compare_all: one fused comparison; the default "scan" method is a while loop (~log2 launches on a GPU;
-  an all-empty ragged call took 60 us on the H200 with it, 20 us without). A histogram + cumsum was slower
-  still on the H200 (18 vs 4 us for the whole work list at S = 4)."""
-  return jnp.searchsorted(vals, jnp.arange(n, dtype=vals.dtype), side="right", method="compare_all").astype(jnp.int32)
-
-
-def ragged_work_items(cu_q_lens_S1, kv_lens_S, T: int, tq: int):
-  """The ragged kernels' work list: one item per (q tile, sequence) pair that has work.
-
-  q is cut into NQ = cdiv(T, tq) fixed tiles of tq consecutive rows (so the tile-major q costs O(T), whatever S
-  is); a sequence with query rows AND kv_len > 0 gets one item per tile its rows touch. Sequences at kv_len 0
-  (padding slots, decode rows handled by the decode kernel) and rows past cu_q_lens[S] get no item: their output
-  rows are zeros (the wrapper masks them). Items are packed at the front; the rest of the static list (NI =
-  NQ + min(S, T) - 1 bounds the count: neighbouring sequences share at most one tile) is empty (p_lo = p_hi).
-
-  Returns (info [NI, 5] int32 = (sequence, q tile, position of the tile's first row, p_lo, p_hi) with [p_lo, p_hi)
-  the positions of the item's own rows (rows of other sequences in the tile are computed and thrown away),
-  item_T [T] = the item holding each row (clipped; meaningful where has_T), has_T [T] = row has an item,
-  n_items = the number of real items (int32 scalar), NI, NQ).
-  """
-  S = kv_lens_S.shape[0]
-  NQ = max(1, common.cdiv(T, tq))
-  NI = max(1, NQ + min(S, T) - 1)
-  cu = cu_q_lens_S1.astype(jnp.int32)
-  q_lens = cu[1:] - cu[:-1]
-  lo = jnp.clip(cu[:-1], 0, T)
-  hi = jnp.clip(cu[1:], lo, T)
-  work = (hi > lo) & (kv_lens_S > 0)
-  ft = lo // tq
-  n_items = jnp.where(work, (hi - 1) // tq - ft + 1, 0)
-  item_end = jnp.cumsum(n_items)
-  item_start = item_end - n_items
-  i = jnp.arange(NI, dtype=jnp.int32)
-  seq = jnp.clip(_count_le(item_end, NI), 0, S - 1)
-  valid = i < item_end[-1]
-  tile = ft[seq] + i - item_start[seq]
-  base = kv_lens_S[seq] - q_lens[seq] - cu[:-1][seq]  # position of row t of sequence seq = base + t
-  row0 = tile * tq
-  p_lo = base + jnp.maximum(lo[seq], row0)
-  p_hi = base + jnp.minimum(hi[seq], row0 + tq)
-  info = jnp.stack([jnp.where(valid, seq, 0), jnp.where(valid, jnp.clip(tile, 0, NQ - 1), 0),
-                    jnp.where(valid, base + row0, 0), jnp.where(valid, p_lo, 0), jnp.where(valid, p_hi, 0)],
-                   axis=-1).astype(jnp.int32)
-  t = jnp.arange(T, dtype=jnp.int32)  # the sequence of each row, as reference.query_positions defines it
-  seg_T = jnp.clip(_count_le(cu, T) - 1, 0, S - 1)
-  has_T = work[seg_T] & (t >= lo[seg_T]) & (t < hi[seg_T])
-  item_T = jnp.clip(item_start[seg_T] + t // tq - ft[seg_T], 0, NI - 1)
-  # Materialized once (small): left fusible, XLA recomputed them inside the [T, N, H] output gather (H200: +33 us
-  # at S = 256).
-  info, item_T, has_T, n_items = lax.optimization_barrier((info, item_T, has_T, item_end[-1].astype(jnp.int32)))
-  return info, item_T, has_T, n_items, NI, NQ
-
-
-def tile_major_q(q_TNH, K, tq, NQ, rows, dtype):
-  """q [T, N, H] -> [NQ, K, rows, H]: tile j, kv head k holds rows j*tq .. j*tq+tq-1, each as its g query heads
-  (row = token-in-tile * g + head-in-group), zero rows past T and past tq * g."""
-  T, N, H = q_TNH.shape
-  g = N // K
-  q = q_TNH.astype(dtype)
-  if NQ * tq != T:
-    q = jnp.pad(q, ((0, NQ * tq - T), (0, 0), (0, 0)))
-  q = q.reshape(NQ, tq, K, g, H).transpose(0, 2, 1, 3, 4).reshape(NQ, K, tq * g, H)
-  if tq * g != rows:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - tq * g), (0, 0)))
-  return q
-
-
-def gather_item_rows(o_items, item_T, has_T, tq, g, dtype):
-  """Per-item outputs [NI, K, >= tq*g, H] -> [T, N, H]: row t from its item, zeros where has_T is False."""
-  NI, K, _, H = o_items.shape
-  T = item_T.shape[0]
-  t = jnp.arange(T, dtype=jnp.int32)
-  o = o_items[:, :, :tq * g].reshape(NI, K, tq, g, H)[item_T, :, t % tq]  # [T, K, g, H]
-  o = jnp.where(has_T[:, None, None, None], o, 0)
-  return o.reshape(T, K * g, H).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_kv", "stages",
-                                             "interpret"))
 def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None,
                         soft_cap=None, sliding_window=None, kv_scales_PK=None, block_kv=None, stages=None,
-                        interpret=False):
+                        interpret=False, ragged_waves=None):
   """Mosaic GPU ragged (prefill / mixed) paged attention. Raises Unsupported for shapes it cannot run.
 
   Cost follows the work: rows of sequences at kv_len 0 (and padding rows) get no work item (zeros); an item
-  reads only the kv blocks its rows can see; the tile-major copy of q is O(T) (ragged_work_items)."""
+  reads only the kv blocks its rows can see; the tile-major copy of q is O(T) (ragged_work_items).
+  ragged_waves: persistent programs in waves; None = the tuning row's (a static argument of the jitted call)."""
+  return _paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, scale=scale,
+                              soft_cap=soft_cap, sliding_window=sliding_window, kv_scales_PK=kv_scales_PK,
+                              block_kv=block_kv, stages=stages, interpret=interpret,
+                              ragged_waves=tuning.current().ragged_waves if ragged_waves is None else ragged_waves)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_kv", "stages",
+                                             "interpret", "ragged_waves"))
+def _paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale, soft_cap,
+                         sliding_window, kv_scales_PK, block_kv, stages, interpret, ragged_waves):
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
   T = q_TNH.shape[0]
@@ -839,7 +779,7 @@ def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
   cfg = make_config((S, N, H), kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                     scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                     out_dtype=jnp.dtype(q_TNH.dtype).name, block_kv=block_kv, stages=stages, p_via_smem=interpret,
-                    ragged_tiles=NI)
+                    ragged_tiles=NI, ragged_waves=ragged_waves)
   q = tile_major_q(q_TNH, K, tq, NQ, ROWS, cfg.compute_dtype)  # [NQ, K, 64, H]: aligned TMA boxes
   o_items = kernel_call(cfg, q, kv_pages_PGKH, block_tables_SP, kv_lens_S, (info,), kv_scales_PK,
                         interpret=interpret)  # [NI, K, 64, H]; items without rows are never written

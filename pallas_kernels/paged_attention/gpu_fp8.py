@@ -15,7 +15,7 @@ benchmarks/RESULTS.md). Here the work of one program is split over warpgroups:
 So the conversion of step i+1.. overlaps the matmuls and softmax of step i, and C warpgroups share the
 conversion work. Semantics, masking, split-K partials and the output layout are exactly gpu.py's (the same
 KernelConfig, combine and wrappers); gpu.py routes fp8 decode here when fp8_converters > 0 (default
-gpu.FP8_CONVERTERS = 1).
+tuning.py: fp8_converters = 1).
 
 fp8_convert="bits" widens with integer ops instead of cvt (e5m2: b << 8; e4m3: sign/exponent-mantissa shifts,
 exactly value x 2^-8, the 2^8 folded into the logit scale and one multiply of the output), on 32-bit words of
@@ -34,7 +34,7 @@ two compute warpgroups take alternate steps (steps i % 2 == c), each with its ow
 own split-K partial (so the existing combine merges them); one converter feeds both. Checked in the GPU
 interpreter with its race detector and lowered for cuda (tests/kernels/test_paged_attention_gpu.py).
 
-fp8_qk=True (cfg.qk8; opt-in, gpu.FP8_QK, not measured on a GPU) removes half of the conversion: Mosaic GPU's wgmma
+fp8_qk=True (cfg.qk8; opt-in, tuning.py fp8_qk, not measured on a GPU) removes half of the conversion: Mosaic GPU's wgmma
 takes e4m3/e5m2 operands with f32 accumulation when both are K-major, which q [rows, H] and a K page [tokens, H]
 are for Q.K^T. The wrapper quantizes q per row to e4m3 (gpu.quantize_q_rows; the row scale times the softmax scale
 multiplies the logits), the compute warpgroup runs QK^T on the fp8 K bytes straight from the TMA ring, and the

@@ -28,7 +28,7 @@ def dequantize_pages(kv_pages_PGKH, kv_scales_PK):
 
 
 def _gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP):
-  """f32 K and V of every sequence: [S, L = pages*G, K, H] each (padding pages included; masked later)."""
+  """f32 K and V of every sequence: [S, J = pages*G, K, H] each (padding pages included; masked later)."""
   S, Pmax = block_tables_SP.shape
   _, G, K2, H = kv_pages_PGKH.shape
   pages = kv_pages_PGKH[block_tables_SP]  # [S, Pmax, G, 2K, H]
@@ -64,17 +64,17 @@ def paged_decode_attention_reference(q_SNH, kv_pages_PGKH, block_tables_SP, kv_l
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
   scale = common.default_scale(H, scale)
-  k_SLKH, v_SLKH = _gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP)
-  L = k_SLKH.shape[1]
+  k_SJKH, v_SJKH = _gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP)
+  J = k_SJKH.shape[1]
   q = q_SNH.astype(jnp.float32).reshape(S, K, g, H)
-  logits = jnp.einsum("skgh,slkh->skgl", q, k_SLKH, precision=lax.Precision.HIGHEST) * scale
+  logits = jnp.einsum("skgh,sjkh->skgj", q, k_SJKH, precision=lax.Precision.HIGHEST) * scale
   logits = _cap(logits, soft_cap)
-  pos_L = jnp.arange(L, dtype=jnp.int32)
+  pos_J = jnp.arange(J, dtype=jnp.int32)
   kv_len = kv_lens_S[:, None]
-  mask = pos_L[None, :] < kv_len
+  mask = pos_J[None, :] < kv_len
   if sliding_window is not None:
-    mask &= pos_L[None, :] > kv_len - 1 - sliding_window
-  o, l = _softmax_attend(logits, mask[:, None, None, :], v_SLKH, "skgl,slkh->skgh")
+    mask &= pos_J[None, :] > kv_len - 1 - sliding_window
+  o, l = _softmax_attend(logits, mask[:, None, None, :], v_SJKH, "skgj,sjkh->skgh")
   o = o / jnp.where(l > 0, l, 1.0)
   return o.reshape(S, N, H).astype(q_SNH.dtype)
 
@@ -96,7 +96,7 @@ def paged_attention_reference(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, 
                               soft_cap=None, sliding_window=None, kv_scales_PK=None):
   """Ragged (prefill / mixed) paged attention. q_TNH [T, N, H] -> [T, N, H].
 
-  Loops over sequences (lax.scan) so memory stays O(T * N * L) instead of a per-token gather of the KV.
+  Loops over sequences (lax.scan) so memory stays O(T * N * J) instead of a per-token gather of the KV.
   """
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
@@ -104,18 +104,18 @@ def paged_attention_reference(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, 
   scale = common.default_scale(H, scale)
   seg_T, pos_T, valid_T = query_positions(cu_q_lens_S1, kv_lens_S, T)
   q = q_TNH.astype(jnp.float32).reshape(T, K, g, H)
-  L = block_tables_SP.shape[1] * G
-  pos_L = jnp.arange(L, dtype=jnp.int32)
+  J = block_tables_SP.shape[1] * G
+  pos_J = jnp.arange(J, dtype=jnp.int32)
 
   def one_sequence(acc_TKgH, s):
-    k_LKH, v_LKH = _gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP[s][None])
-    logits = jnp.einsum("tkgh,lkh->tkgl", q, k_LKH[0], precision=lax.Precision.HIGHEST) * scale
+    k_JKH, v_JKH = _gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP[s][None])
+    logits = jnp.einsum("tkgh,jkh->tkgj", q, k_JKH[0], precision=lax.Precision.HIGHEST) * scale
     logits = _cap(logits, soft_cap)
-    mask = (pos_L[None, :] <= pos_T[:, None]) & (pos_L[None, :] < kv_lens_S[s])
+    mask = (pos_J[None, :] <= pos_T[:, None]) & (pos_J[None, :] < kv_lens_S[s])
     if sliding_window is not None:
-      mask &= pos_L[None, :] > pos_T[:, None] - sliding_window
+      mask &= pos_J[None, :] > pos_T[:, None] - sliding_window
     mask &= (valid_T & (seg_T == s))[:, None]
-    o, l = _softmax_attend(logits, mask[:, None, None, :], v_LKH[0], "tkgl,lkh->tkgh")
+    o, l = _softmax_attend(logits, mask[:, None, None, :], v_JKH[0], "tkgj,jkh->tkgh")
     return acc_TKgH + o / jnp.where(l > 0, l, 1.0), None
 
   out, _ = lax.scan(one_sequence, jnp.zeros((T, K, g, H), jnp.float32), jnp.arange(S, dtype=jnp.int32))

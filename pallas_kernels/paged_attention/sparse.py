@@ -11,12 +11,12 @@ Design
   of the group: max_n sum_h max(q_nh * min_jh, q_nh * max_jh). Written as q.c + |q|.r with
   c = (max+min)/2 and r = (max-min)/2, i.e. two small matmuls on page-level data (nothing token-level is
   materialized: the largest intermediate is [S, K, g, pages]).
-- Selection (per sequence and kv head): if the sequence has <= B = sinks + window + top_k pages, all of them;
+- Selection (per sequence and kv head): if the sequence has <= U = sinks + window + top_k pages, all of them;
   else pages [0, sinks), the last `window` pages (the partial last page included) and the top_k best of
   the rest. The list is sorted by logical page; unused entries carry the sentinel logical page Pmax (so every
   token position they would produce is >= kv_len and masked) and a valid physical page (0).
-- Attention over the selection: `paged_sparse_decode_attention` hands (physical pages [S, K, B], logical pages
-  [S, K, B], counts [S, K]) to the GPU/TPU kernels, which mask by logical token position; the reference is dense
+- Attention over the selection: `paged_sparse_decode_attention` hands (physical pages [S, K, U], logical pages
+  [S, K, U], counts [S, K]) to the GPU/TPU kernels, which mask by logical token position; the reference is dense
   attention restricted to the selected pages.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def budget(num_sink_pages, num_window_pages, top_k_pages, table_cols):
 @functools.partial(jax.jit, static_argnames=("page_size", "num_sink_pages", "num_window_pages", "top_k_pages"))
 def select_pages(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP, kv_lens_S, *, page_size, num_sink_pages,
                  num_window_pages, top_k_pages):
-  """Per (sequence, kv head): (physical pages [S, K, B], logical pages [S, K, B], count [S, K]) sorted by
+  """Per (sequence, kv head): (physical pages [S, K, U], logical pages [S, K, U], count [S, K]) sorted by
   logical page; see the module docstring for the rule and the padding convention."""
   for name, v in (("num_sink_pages", num_sink_pages), ("num_window_pages", num_window_pages),
                   ("top_k_pages", top_k_pages)):
@@ -99,12 +99,12 @@ def select_pages(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP, kv_lens_S, *, page_
     raise ValueError("num_window_pages must be >= 1 (the page holding the query position is always read)")
   S, Pmax = block_tables_SP.shape
   K = kmin_PKH.shape[1]
-  B = budget(num_sink_pages, num_window_pages, top_k_pages, Pmax)
+  U = budget(num_sink_pages, num_window_pages, top_k_pages, Pmax)
   n_pages = (kv_lens_S + page_size - 1) // page_size  # [S]
   j = jnp.arange(Pmax, dtype=jnp.int32)[None, None, :]
   npg = n_pages[:, None, None]
   in_seq = j < npg
-  fixed = in_seq & ((j < num_sink_pages) | (j >= npg - num_window_pages) | (npg <= B))
+  fixed = in_seq & ((j < num_sink_pages) | (j >= npg - num_window_pages) | (npg <= U))
   cand = in_seq & ~fixed
   if top_k_pages > 0:
     scores = jnp.where(cand, page_scores(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP), -jnp.inf)
@@ -117,29 +117,29 @@ def select_pages(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP, kv_lens_S, *, page_
     sel = fixed | (chosen & cand)
   else:
     sel = jnp.broadcast_to(fixed, (S, K, Pmax))
-  logical = jnp.sort(jnp.where(sel, j, Pmax), axis=-1)[:, :, :B].astype(jnp.int32)
+  logical = jnp.sort(jnp.where(sel, j, Pmax), axis=-1)[:, :, :U].astype(jnp.int32)
   count = jnp.sum(sel, axis=-1).astype(jnp.int32)
   phys = jnp.take_along_axis(block_tables_SP[:, None, :], jnp.clip(logical, 0, Pmax - 1), axis=-1)
   phys = jnp.where(logical < Pmax, phys, 0).astype(jnp.int32)
-  return phys, logical, jnp.minimum(count, B)
+  return phys, logical, jnp.minimum(count, U)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
-def sparse_decode_attention_reference(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, logical_SKB, *, scale=None,
+def sparse_decode_attention_reference(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, logical_SKU, *, scale=None,
                                       soft_cap=None, kv_scales_PK=None):
   """Definition: dense decode attention where kv head k of sequence s sees only its selected logical pages."""
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=None)
   scale = common.default_scale(H, scale)
-  k_SLKH, v_SLKH = reference._gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP)
-  L = k_SLKH.shape[1]
+  k_SJKH, v_SJKH = reference._gather_sequences(kv_pages_PGKH, kv_scales_PK, block_tables_SP)
+  J = k_SJKH.shape[1]
   q = q_SNH.astype(jnp.float32).reshape(S, K, g, H)
-  logits = jnp.einsum("skgh,slkh->skgl", q, k_SLKH, precision=lax.Precision.HIGHEST) * scale
+  logits = jnp.einsum("skgh,sjkh->skgj", q, k_SJKH, precision=lax.Precision.HIGHEST) * scale
   logits = reference._cap(logits, soft_cap)
-  page_L = jnp.arange(L, dtype=jnp.int32) // G
-  chosen = jnp.any(page_L[None, None, :, None] == logical_SKB[:, :, None, :], axis=-1)  # [S, K, L]
-  mask = chosen & (jnp.arange(L)[None, None, :] < kv_lens_S[:, None, None])
-  o, l = reference._softmax_attend(logits, mask[:, :, None, :], v_SLKH, "skgl,slkh->skgh")
+  page_J = jnp.arange(J, dtype=jnp.int32) // G
+  chosen = jnp.any(page_J[None, None, :, None] == logical_SKU[:, :, None, :], axis=-1)  # [S, K, J]
+  mask = chosen & (jnp.arange(J)[None, None, :] < kv_lens_S[:, None, None])
+  o, l = reference._softmax_attend(logits, mask[:, :, None, :], v_SJKH, "skgj,sjkh->skgh")
   o = o / jnp.where(l > 0, l, 1.0)
   return o.reshape(S, N, H).astype(q_SNH.dtype)
 
@@ -162,8 +162,7 @@ def paged_sparse_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens
   try:
     if which.startswith("gpu"):
       out = _sparse_gpu(q_SNH, kv_pages_PGKH, phys, logical, count, kv_lens_S, interpret=which.endswith("interpret"),
-                        fp8_converters=gpu.FP8_CONVERTERS, fp8_convert=gpu.FP8_CONVERT,
-                        fp8_compute_wgs=gpu.FP8_COMPUTE_WGS, fp8_qk=gpu.FP8_QK, **kw)
+                        **kw)
     elif which.startswith("tpu"):
       out = tpu.decode_core(q_SNH, kv_pages_PGKH, phys, kv_lens_S, kv_scales_PK, count, logical, scale=scale,
                             soft_cap=soft_cap, interpret=which.endswith("interpret"))

@@ -4,7 +4,7 @@ Why it exists: the TPU counterpart of gpu.py, same semantics. Lengths (and the r
 scalar-prefetched into SMEM (PrefetchScalarGridSpec); the pool AND the block tables stay in HBM (memory_space=ANY):
 each program walks its sequence's pages with manual async DMAs, double-buffered (block b+1 in flight while block b
 is computed), and fetches the page ids of block b+2 by a small DMA into a 3-slot SMEM ring. One program =
-(sequence, kv head) for decode, (kv head, work item) for ragged prefill (gpu.ragged_work_items: q tiles x
+(sequence, kv head) for decode, (kv head, work item) for ragged prefill (work_items.ragged_work_items: q tiles x
 sequences with kv_len > 0); all g query heads of the kv head (and, for prefill, 64/g tokens) are the rows of one
 MXU matmul.
 
@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import common
+from .work_items import gather_item_rows, ragged_work_items, tile_major_q
 
 Unsupported = common.Unsupported
 ROWS = 64
@@ -226,7 +227,7 @@ def _kernel(cfg: TpuConfig, *refs):
     write()
 
 
-INFO = 6  # ragged work-item row in SMEM: gpu.ragged_work_items' 5 columns + the output block (see _call)
+INFO = 6  # ragged work-item row in SMEM: work_items.ragged_work_items' 5 columns + the output block (see _call)
 
 
 def _call(cfg: TpuConfig, prefetch, q, kv_pages_PGKH, bt_rows, rowtok, kv_scales_PK, *, interpret, n_out=None):
@@ -290,7 +291,7 @@ def _make_cfg(q_shape_SNH, kv_pages_PGKH, Pmax, *, ragged, sparse, scale, soft_c
 
 def decode_core(q_SNH, kv_pages_PGKH, pages, kv_lens_S, kv_scales_PK, nsel_SK=None, lp=None, *, scale=None,
                 soft_cap=None, sliding_window=None, interpret=False):
-  """Shared by dense decode (pages = block tables [S, Pmax]) and sparse decode (pages [S, K, B] + lp, nsel)."""
+  """Shared by dense decode (pages = block tables [S, Pmax]) and sparse decode (pages [S, K, U] + lp, nsel)."""
   S, N, H = q_SNH.shape
   sparse = nsel_SK is not None
   Pmax = pages.shape[-1]
@@ -321,8 +322,7 @@ def paged_decode_attention_tpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
 def paged_attention_tpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale=None,
                         soft_cap=None, sliding_window=None, kv_scales_PK=None, interpret=False):
-  """Mosaic TPU ragged (prefill / mixed) paged attention (work list: gpu.ragged_work_items)."""
-  from .gpu import gather_item_rows, ragged_work_items, tile_major_q  # shared pure-jnp work-list helpers
+  """Mosaic TPU ragged (prefill / mixed) paged attention (work list: work_items.ragged_work_items)."""
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
   T = q_TNH.shape[0]

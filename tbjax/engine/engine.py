@@ -63,6 +63,9 @@ class EngineConfig:
     layer_buffers: str = "auto"
     overlap_scheduling: bool | None = None  # launch step N+1 before waiting for step N; None = on unless on CPU
     fold_norms: bool = False              # RMSNorm weights folded into w_qkv / w_gate_up (fewer kernels; not yet timed)
+    # XLA:GPU command buffers (CUDA graphs) around the step's kernels: "auto" (runner.GPU_COMMAND_BUFFERS) | "on" |
+    # "off"; other platforms ignore it
+    command_buffers: str = "auto"
     # The decode mesh: None (one device), "dp=4,ep=2" (axis=size), a dict, or a jax.sharding.Mesh with the axes
     # dp, ep, tp, pp (sharding.mesh.make_mesh). Requests, KV pools, attention-weight shards and routed experts are
     # spread over all of its devices by default (`decode_layout`: sharding.mesh.DecodeLayout).
@@ -88,7 +91,7 @@ class RequestOutput:
 class KVExport:
     """A prefilled request's KV, ready to travel to a decode engine: on the host (``pages`` / ``scales``, lists
     over layers) or, from ``export_kv(..., on_device=True)``, still on the device in the transfer layout
-    (``device_pages`` [B, L, G, 2K, H], ``device_scales`` [B, L, 2K] or None; rows past ``num_pages`` are
+    (``device_pages`` [X, L, G, 2K, H], ``device_scales`` [X, L, 2K] or None; rows past ``num_pages`` are
     padding) so that a same-host transfer can DMA it straight into shared memory."""
     request_id: Hashable
     prompt_token_ids: list[int]
@@ -167,7 +170,8 @@ class Engine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
-                                  fold_norms=config.fold_norms, spec_role="target" if spec_cfg else None,
+                                  fold_norms=config.fold_norms, command_buffers=config.command_buffers,
+                                  spec_role="target" if spec_cfg else None,
                                   spec_tokens=spec_cfg.num_tokens if spec_cfg else 0)
         # the draft (its weights, ring pools, distribution buffer) is placed before the target's KV is sized, so
         # that free-memory sizing counts it
@@ -197,6 +201,10 @@ class Engine:
         self._pending: list[RequestOutput] = []   # outputs made outside a step (returned by the next step)
         self._inflight: _InFlight | None = None   # the launched step whose outputs the next step() returns
         self.num_steps = 0
+        # host seconds per phase of step(), summed over steps: schedule, build (inputs), launch (dispatch of the step
+        # program), wait (for the device, in fetch), emit (scheduler bookkeeping + detokenizing); where the host time
+        # of a step goes (benchmarks/bench_engine_decode.py --e2e reports it per step)
+        self.host_seconds = dict.fromkeys(("schedule", "build", "launch", "wait", "emit"), 0.0)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -350,7 +358,7 @@ class Engine:
         pending, self._pending = self._pending, []
         prev = self._inflight
         if prev is None:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch is None:
                 return pending
             launched = self._launch(batch, None)
@@ -358,16 +366,23 @@ class Engine:
                 self._inflight = launched
                 return pending
             return pending + self._complete(launched)
-        batch = self.scheduler.schedule()         # built as if `prev` were done; None if it must be done first
+        batch = self._schedule()                  # built as if `prev` were done; None if it must be done first
         nxt = self._launch(batch, prev) if batch is not None else None
         results = self._complete(prev)
         if nxt is None and self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             nxt = self._launch(batch, None) if batch is not None else None
         self._inflight = nxt
         return pending + results
 
+    def _schedule(self):
+        t = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.host_seconds["schedule"] += time.perf_counter() - t
+        return batch
+
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
+        t0 = time.perf_counter()
         entries, sampling, prev_rows = [], [], []
         want_lp = False
         for e in batch.entries:
@@ -383,7 +398,12 @@ class Engine:
             want_lp |= p.logprobs > 0 and e.samples
         use_prev = prev is not None and any(r >= 0 for r in prev_rows)
         inp = self.runner.build_inputs(entries, sampling, prev_rows if use_prev else None)
-        out = self.runner.launch(inp, prev=prev.out if use_prev else None)
+        packed = inp.pack()
+        t1 = time.perf_counter()
+        out = self.runner.launch(inp, packed, prev=prev.out if use_prev else None)
+        t2 = time.perf_counter()
+        self.host_seconds["build"] += t1 - t0
+        self.host_seconds["launch"] += t2 - t1
         samples = [(i, e) for i, e in enumerate(batch.entries) if e.samples]
         return _InFlight(batch, out, {e.seq_id: inp.rows[i] for i, e in samples},
                          {e.seq_id: inp.local_rows[i] for i, e in samples}, want_lp)
@@ -391,7 +411,10 @@ class Engine:
     def _complete(self, fl: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step, record it in the scheduler and turn it into outputs."""
         batch = fl.batch
+        t0 = time.perf_counter()
         out = self.runner.fetch(fl.out, fl.want_logprobs)
+        t1 = time.perf_counter()
+        self.host_seconds["wait"] += t1 - t0
         self.num_steps += 1
         sampled = {sid: int(out["tokens"][i]) for sid, i in fl.rows.items()}
         lp_by_id = {}
@@ -412,6 +435,7 @@ class Engine:
             if st.first_token_time is None and so.new_token_ids:
                 st.first_token_time = time.monotonic()
             results.append(self._emit(so, st, lp_by_id.get(so.seq_id)))
+        self.host_seconds["emit"] += time.perf_counter() - t1
         return results
 
     def _spec_step(self) -> list[RequestOutput]:

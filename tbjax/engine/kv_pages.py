@@ -8,7 +8,7 @@ padded to a power of two so that steady state compiles nothing new. Padding ids 
 
 Pools are the engine's ``caches``: a list over layers of ``(pages_PGKH, scales_PK | None)``.
 
-The transfer layout is one array over all layers: ``gather_pages_stacked`` leaves ``[B, L, G, 2K, H]`` (B = the
+The transfer layout is one array over all layers: ``gather_pages_stacked`` leaves ``[X, L, G, 2K, H]`` (X = the
 page count padded to a power of two) on the device, so a same-host transfer can DMA it straight into shared host
 memory, and ``scatter_pages_stacked`` takes such an array (device or host) back. ``chunk_checksums`` is the
 integrity check of that fast path: crc32 on the host runs ~1-2 GB/s, far below the ~50 GB/s the copies move, so
@@ -36,16 +36,16 @@ def _bucket(n: int) -> int:
 
 
 @jax.jit
-def _gather(caches, ids_B):
-    return [(pages[ids_B], None if scales is None else scales[ids_B]) for pages, scales in caches]
+def _gather(caches, ids_X):
+    return [(pages[ids_X], None if scales is None else scales[ids_X]) for pages, scales in caches]
 
 
-def _scatter_impl(caches, ids_B, new):
+def _scatter_impl(caches, ids_X, new):
     out = []
     for (pages, scales), (p_new, s_new) in zip(caches, new):
-        pages = pages.at[ids_B].set(p_new.astype(pages.dtype))
+        pages = pages.at[ids_X].set(p_new.astype(pages.dtype))
         if scales is not None:
-            scales = scales.at[ids_B].set(s_new.astype(scales.dtype))
+            scales = scales.at[ids_X].set(s_new.astype(scales.dtype))
         out.append((pages, scales))
     return out
 
@@ -71,9 +71,9 @@ def gather_pages(caches, page_ids) -> tuple[list[np.ndarray], list[np.ndarray] |
     n_pool = caches[0][0].shape[0]
     ids = _check_ids(page_ids, n_pool)
     n = ids.size
-    ids_B = np.full(_bucket(n), NULL_PAGE, np.int32)
-    ids_B[:n] = ids
-    got = jax.device_get(_gather(caches, ids_B))
+    ids_X = np.full(_bucket(n), NULL_PAGE, np.int32)
+    ids_X[:n] = ids
+    got = jax.device_get(_gather(caches, ids_X))
     pages = [np.asarray(p[:n]) for p, _ in got]
     scales = None if got[0][1] is None else [np.asarray(s[:n]) for _, s in got]
     return pages, scales
@@ -92,9 +92,9 @@ def scatter_pages(caches, page_ids, layer_pages, layer_scales=None):
         raise ValueError("the pools are fp8: pass layer_scales (one [n, 2K] array per layer)")
     if not fp8 and layer_scales is not None:
         raise ValueError("the pools carry no scales (not fp8), but layer_scales was given")
-    B = _bucket(n)
-    ids_B = np.full(B, NULL_PAGE, np.int32)
-    ids_B[:n] = ids
+    X = _bucket(n)
+    ids_X = np.full(X, NULL_PAGE, np.int32)
+    ids_X[:n] = ids
     new = []
     for l, ((pages, scales), p) in enumerate(zip(caches, layer_pages)):
         p = np.asarray(p)
@@ -103,42 +103,42 @@ def scatter_pages(caches, page_ids, layer_pages, layer_scales=None):
             raise ValueError(f"layer {l}: pages have shape {p.shape}, expected {want}")
         if p.dtype != pages.dtype:
             raise ValueError(f"layer {l}: pages are {p.dtype}, the pool is {pages.dtype}")
-        pad = np.zeros((B, *pages.shape[1:]), p.dtype)
+        pad = np.zeros((X, *pages.shape[1:]), p.dtype)
         pad[:n] = p
         s_pad = None
         if fp8:
             s = np.asarray(layer_scales[l], np.float32)
             if s.shape != (n, *scales.shape[1:]):
                 raise ValueError(f"layer {l}: scales have shape {s.shape}, expected {(n, *scales.shape[1:])}")
-            s_pad = np.zeros((B, *scales.shape[1:]), np.float32)
+            s_pad = np.zeros((X, *scales.shape[1:]), np.float32)
             s_pad[:n] = s
         new.append((pad, s_pad))
-    return _scatter(caches, ids_B, new)
+    return _scatter(caches, ids_X, new)
 
 
 # -- the stacked (transfer) layout -------------------------------------------------------------------------
 @jax.jit
-def _gather_stacked(caches, ids_B):
-    pages_BLGKH = jnp.stack([pages[ids_B] for pages, _ in caches], axis=1)
-    scales_BLK = None if caches[0][1] is None else jnp.stack([scales[ids_B] for _, scales in caches], axis=1)
-    return pages_BLGKH, scales_BLK
+def _gather_stacked(caches, ids_X):
+    pages_XLGKH = jnp.stack([pages[ids_X] for pages, _ in caches], axis=1)
+    scales_XLK = None if caches[0][1] is None else jnp.stack([scales[ids_X] for _, scales in caches], axis=1)
+    return pages_XLGKH, scales_XLK
 
 
 def gather_pages_stacked(caches, page_ids):
-    """``page_ids`` of every layer as one device array ``[B, L, G, 2K, H]`` (rows past ``len(page_ids)`` are
-    padding: B is a power of two) and fp8 scales ``[B, L, 2K]`` (or None). Nothing leaves the device."""
+    """``page_ids`` of every layer as one device array ``[X, L, G, 2K, H]`` (rows past ``len(page_ids)`` are
+    padding: X is a power of two) and fp8 scales ``[X, L, 2K]`` (or None). Nothing leaves the device."""
     ids = _check_ids(page_ids, caches[0][0].shape[0])
-    ids_B = np.full(_bucket(ids.size), NULL_PAGE, np.int32)
-    ids_B[:ids.size] = ids
-    return _gather_stacked(caches, ids_B)
+    ids_X = np.full(_bucket(ids.size), NULL_PAGE, np.int32)
+    ids_X[:ids.size] = ids
+    return _gather_stacked(caches, ids_X)
 
 
-def _scatter_stacked_impl(caches, ids_B, pages_BLGKH, scales_BLK):
+def _scatter_stacked_impl(caches, ids_X, pages_XLGKH, scales_XLK):
     out = []
     for l, (pages, scales) in enumerate(caches):
-        pages = pages.at[ids_B].set(pages_BLGKH[:, l].astype(pages.dtype))
+        pages = pages.at[ids_X].set(pages_XLGKH[:, l].astype(pages.dtype))
         if scales is not None:
-            scales = scales.at[ids_B].set(scales_BLK[:, l].astype(scales.dtype))
+            scales = scales.at[ids_X].set(scales_XLK[:, l].astype(scales.dtype))
         out.append((pages, scales))
     return out
 
@@ -146,14 +146,14 @@ def _scatter_stacked_impl(caches, ids_B, pages_BLGKH, scales_BLK):
 _scatter_stacked = jax.jit(_scatter_stacked_impl, donate_argnums=(0,))
 
 
-def _pad_rows(x, B):
-    if x.shape[0] == B:
+def _pad_rows(x, X):
+    if x.shape[0] == X:
         return x
     if isinstance(x, np.ndarray):
-        out = np.zeros((B, *x.shape[1:]), x.dtype)
+        out = np.zeros((X, *x.shape[1:]), x.dtype)
         out[:x.shape[0]] = x
         return out
-    return jnp.pad(x, [(0, B - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return jnp.pad(x, [(0, X - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
 def scatter_pages_stacked(caches, page_ids, pages_nLGKH, scales_nLK=None):
@@ -173,15 +173,15 @@ def scatter_pages_stacked(caches, page_ids, pages_nLGKH, scales_nLK=None):
         raise ValueError("the pools are fp8: pass the scales ([n, L, 2K] float32)")
     if not fp8 and scales_nLK is not None:
         raise ValueError("the pools carry no scales (not fp8), but scales were given")
-    B = _bucket(max(n, pages_nLGKH.shape[0]))
-    ids_B = np.full(B, NULL_PAGE, np.int32)
-    ids_B[:n] = ids
+    X = _bucket(max(n, pages_nLGKH.shape[0]))
+    ids_X = np.full(X, NULL_PAGE, np.int32)
+    ids_X[:n] = ids
     if fp8:
         if tuple(scales_nLK.shape[1:]) != (L, *scales0.shape[1:]) or scales_nLK.shape[0] < n:
             raise ValueError(f"scales have shape {tuple(scales_nLK.shape)}, expected [>= {n}, {L}, "
                              f"{scales0.shape[1]}]")
-        scales_nLK = _pad_rows(scales_nLK, B)
-    return _scatter_stacked(caches, ids_B, _pad_rows(pages_nLGKH, B), scales_nLK)
+        scales_nLK = _pad_rows(scales_nLK, X)
+    return _scatter_stacked(caches, ids_X, _pad_rows(pages_nLGKH, X), scales_nLK)
 
 
 # -- checksum of the fast path (on the device) ---------------------------------------------------------------
@@ -201,12 +201,12 @@ def _words(x):
 
 @functools.partial(jax.jit, static_argnames=("chunk_pages",))
 def _chunk_checksums(x, n, *, chunk_pages):
-    B = x.shape[0]
-    w = _words(x).reshape(B, -1)
+    X = x.shape[0]
+    w = _words(x).reshape(X, -1)
     pw = w.shape[1]
-    w = jnp.where((jnp.arange(B) < n)[:, None], w, jnp.uint32(0))
-    C = -(-B // chunk_pages)
-    w = jnp.pad(w, [(0, C * chunk_pages - B), (0, 0)]).reshape(C, chunk_pages * pw)
+    w = jnp.where((jnp.arange(X) < n)[:, None], w, jnp.uint32(0))
+    C = -(-X // chunk_pages)
+    w = jnp.pad(w, [(0, C * chunk_pages - X), (0, 0)]).reshape(C, chunk_pages * pw)
     mult = (jnp.arange(chunk_pages * pw, dtype=jnp.uint32) * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
     a = jnp.sum(w, axis=1, dtype=jnp.uint32)
     b = jnp.sum(w * mult, axis=1, dtype=jnp.uint32)

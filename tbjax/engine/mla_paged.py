@@ -12,7 +12,7 @@ Reading it needs the halves joined, which the GQA kernels don't do: `latent_atte
 (gathers each sequence's pages, joins the halves, MQA with the latent as key and value), used for mixed
 (prefill) steps; it loops over sequences and scores every query row against each, so its cost grows with S x T.
 `latent_decode_attention` is the decode step's path (one query row per sequence): every sequence at once, one
-batched gather of the latents and two batched matmuls in the model's dtype with float32 accumulation, O(S x N x L x
+batched gather of the latents and two batched matmuls in the model's dtype with float32 accumulation, O(S x N x J x
 C) like the GQA kernels' work (the scan costs S times that at decode). Mixed steps (`latent_mixed_attention`) send
 their decodes the same way and scan only the sequences that prefill.
 """
@@ -41,7 +41,7 @@ def write_latent(kv_pages_PGKH, kv_scales_PK, latent_TC, slot_mapping_T):
 
 
 def _sequence_latents(kv_pages_PGKH, kv_scales_PK, block_table_P, C):
-    """float32 latents [L = pages * G, C] of one sequence (padding pages included; masked by the caller)."""
+    """float32 latents [J = pages * G, C] of one sequence (padding pages included; masked by the caller)."""
     pages = kv_pages_PGKH[block_table_P]                                   # [P, G, 2, Hh]
     scales = None if kv_scales_PK is None else kv_scales_PK[block_table_P]
     x = dequantize_pages(pages, scales)
@@ -55,14 +55,14 @@ def latent_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens
     q_TNC [T, N, C] (C = the latent's dims); queries rows cu_q_lens[s]:cu_q_lens[s+1] belong to sequence s at
     positions kv_len - q_len .. kv_len - 1 and see latents j <= their position (the paged-attention semantics of
     pallas_kernels.paged_attention.reference). A decode batch is the case cu_q_lens = 0..S. Returns [T, N, C] in
-    q's dtype; rows that see nothing are zeros. One sequence at a time (lax.scan): memory O(T * N * L).
+    q's dtype; rows that see nothing are zeros. One sequence at a time (lax.scan): memory O(T * N * J).
     ``sequences_S`` (bool [S], optional): compute only these sequences (the others' rows are zeros)."""
     T, N, C = q_TNC.shape
     S = block_tables_SP.shape[0]
-    L = block_tables_SP.shape[1] * kv_pages_PGKH.shape[1]
+    J = block_tables_SP.shape[1] * kv_pages_PGKH.shape[1]
     seg_T, pos_T, valid_T = query_positions(cu_q_lens_S1, kv_lens_S, T)
     q = q_TNC.astype(jnp.float32)
-    pos_L = jnp.arange(L, dtype=jnp.int32)
+    pos_J = jnp.arange(J, dtype=jnp.int32)
 
     def one_sequence(acc_TNC, s):
         if sequences_S is None:
@@ -70,14 +70,14 @@ def latent_attention(q_TNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens
         return lax.cond(sequences_S[s], add_sequence, lambda a, _: (a, None), acc_TNC, s)
 
     def add_sequence(acc_TNC, s):
-        lat_LC = _sequence_latents(kv_pages_PGKH, kv_scales_PK, block_tables_SP[s], C)
-        logits = jnp.einsum("tnc,lc->tnl", q, lat_LC, precision=lax.Precision.HIGHEST) * scale
-        mask = (pos_L[None, :] <= pos_T[:, None]) & (pos_L[None, :] < kv_lens_S[s]) & (valid_T & (seg_T == s))[:, None]
+        lat_JC = _sequence_latents(kv_pages_PGKH, kv_scales_PK, block_tables_SP[s], C)
+        logits = jnp.einsum("tnc,jc->tnj", q, lat_JC, precision=lax.Precision.HIGHEST) * scale
+        mask = (pos_J[None, :] <= pos_T[:, None]) & (pos_J[None, :] < kv_lens_S[s]) & (valid_T & (seg_T == s))[:, None]
         logits = jnp.where(mask[:, None, :], logits, -jnp.inf)
         m = jnp.max(logits, axis=-1, keepdims=True)
         p = jnp.where(mask[:, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
         l = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("tnl,lc->tnc", p, lat_LC, precision=lax.Precision.HIGHEST)
+        o = jnp.einsum("tnj,jc->tnc", p, lat_JC, precision=lax.Precision.HIGHEST)
         return acc_TNC + o / jnp.where(l > 0, l, 1.0), None
 
     out, _ = lax.scan(one_sequence, jnp.zeros((T, N, C), jnp.float32), jnp.arange(S, dtype=jnp.int32))
@@ -93,20 +93,20 @@ def latent_decode_attention(q_SNC, kv_pages_PGKH, block_tables_SP, kv_lens_S, *,
     _, G, two, Hh = kv_pages_PGKH.shape
     if two != 2 or 2 * Hh < C:
         raise ValueError(f"pool {kv_pages_PGKH.shape} does not hold a {C}-dim latent split in two halves")
-    L = block_tables_SP.shape[1] * G
+    J = block_tables_SP.shape[1] * G
     cdt = q_SNC.dtype
-    pages = kv_pages_PGKH[block_tables_SP]                                 # [S, Pb, G, 2, Hh]
+    pages = kv_pages_PGKH[block_tables_SP]                                 # [S, P, G, 2, Hh]
     if kv_scales_PK is not None:
         pages = pages.astype(jnp.float32) * kv_scales_PK[block_tables_SP][:, :, None, :, None]
-    lat_SLC = pages.astype(cdt).reshape(S, L, 2 * Hh)[..., :C]             # K half then V half, joined
+    lat_SJC = pages.astype(cdt).reshape(S, J, 2 * Hh)[..., :C]             # K half then V half, joined
     prec = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
-    logits = jnp.einsum("snc,slc->snl", q_SNC, lat_SLC, preferred_element_type=jnp.float32, precision=prec) * scale
-    mask_SL = jnp.arange(L, dtype=jnp.int32)[None, :] < kv_lens_S[:, None]
-    logits = jnp.where(mask_SL[:, None, :], logits, -jnp.inf)
+    logits = jnp.einsum("snc,sjc->snj", q_SNC, lat_SJC, preferred_element_type=jnp.float32, precision=prec) * scale
+    mask_SJ = jnp.arange(J, dtype=jnp.int32)[None, :] < kv_lens_S[:, None]
+    logits = jnp.where(mask_SJ[:, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.where(mask_SL[:, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    p = jnp.where(mask_SJ[:, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("snl,slc->snc", p.astype(cdt), lat_SLC, preferred_element_type=jnp.float32, precision=prec)
+    o = jnp.einsum("snj,sjc->snc", p.astype(cdt), lat_SJC, preferred_element_type=jnp.float32, precision=prec)
     return (o / jnp.where(l > 0, l, 1.0)).astype(q_SNC.dtype)
 
 

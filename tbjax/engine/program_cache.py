@@ -7,8 +7,14 @@ warm start for 9 programs). Here the key is everything the program depends on (t
 the device kind, the mesh, the abstract arguments with their shardings, the static step settings, XLA flags), and a
 hit is one deserialization. A file that does not load is deleted and the program is compiled as usual.
 
-Opt-in (TBJAX_PROGRAM_CACHE=1) until it has run on a GPU: on XLA:CPU a process that loaded saved programs and then
-compiled a new one failed running a step ("Function wrapped_iota not found", jax 0.11.2), while loading a complete
+In-process sharing (always on): `shared_get` / `shared_put` keep the last few compiled step programs of this process
+under the same keys (which hold the device ids), so a second engine with the same settings on the same devices (an
+`LLM` made again in a notebook, tests) runs the first one's executables instead of compiling them again. The
+parameters and KV pools are arguments of the programs, never constants in them.
+
+Saving to disk is opt-in (TBJAX_PROGRAM_CACHE=1): on the H200 a warm start loaded the saved programs (10.8 s to
+ready), but serving under load after such a start has not been checked there; and on XLA:CPU a process that loaded
+saved programs and then compiled a new one failed running a step ("Function wrapped_iota not found", jax 0.11.2), while loading a complete
 set, or compiling a corrupt file's program again, worked. Only single-device meshes: deserializing an executable for
 a subset of the process's devices aborts inside XLA ("num_shards == xla_hlo_sharding.num_devices()"); meshes keep
 JAX's persistent cache. The programs live beside JAX's cache (`<jax cache dir>/tbjax-programs`) and follow its switch
@@ -16,16 +22,46 @@ JAX's persistent cache. The programs live beside JAX's cache (`<jax cache dir>/t
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
 import os
 import pickle
+import threading
 
 import jax
 
 log = logging.getLogger(__name__)
 _PACKAGES = ("tbjax", "pallas_kernels", "sharding")
+
+
+_SHARED_MAX = 64                 # compiled programs kept per process (a served model has ~15)
+_shared: collections.OrderedDict = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def shared_get(key: str):
+    """This process's compiled program under `key`, or None."""
+    with _shared_lock:
+        exe = _shared.get(key)
+        if exe is not None:
+            _shared.move_to_end(key)
+        return exe
+
+
+def shared_put(key: str, exe) -> None:
+    with _shared_lock:
+        _shared[key] = exe
+        _shared.move_to_end(key)
+        while len(_shared) > _SHARED_MAX:
+            _shared.popitem(last=False)
+
+
+def shared_clear() -> None:
+    """Forget this process's shared programs (the next engine compiles its own)."""
+    with _shared_lock:
+        _shared.clear()
 
 
 def cache_dir() -> str | None:

@@ -5,8 +5,9 @@ a kv length and a row of the block table. Decode-only and mixed steps are the sa
 `step_attention` sends one-row sequences to the decode kernel and the rest to the ragged kernel, each seeing the
 other's sequences at kv length 0). Shapes depend only on the token bucket T (`token_buckets`): the sequence slots
 are S = min(T, max_num_seqs) and the block table is always `max_pages_per_seq` wide, so no batch composition,
-context length, sampling setting or logprobs request ever needs another program. Logprobs (the chosen token's and
-the top `TOP_LOGPROBS`) are always computed; the host fetches them only when a request asked.
+context length or sampling setting ever needs another program. The step returns its sampling rows'
+log-probabilities; the chosen token's and the top `TOP_LOGPROBS` come from a small program keyed by the number of
+sampling slots (`top_logprobs`), run only for steps where a request asked for logprobs.
 
 Mesh first: the program is one `jax.shard_map` over the decode mesh, a 1x1 mesh on one device. Requests are
 split over the layout's batch axes: every device is a dp rank with its own KV pools (the global pool arrays are
@@ -47,7 +48,7 @@ from tbjax.model.kinds import fold_norms as fold_layer_norms
 from tbjax.model.linear import AUTO_KERNEL_MAX_T, MATMUL_IMPLS
 from tbjax.model.params import split_layer_buffers
 from tbjax.model.transformer import forward_hidden, lm_logits
-from tbjax.sampling import sample, sampling_probs, verify_draft
+from tbjax.sampling import sample, sampling_probs, top_k, verify_draft
 from tbjax.spec import ModelSpec, rope_attention_scale
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,11 @@ LAYER_BUFFERS = ("auto", "stacked", "split")
 # Token buckets: every power of two up to DENSE_UP_TO (decode batches), then every fourth power of two, and the
 # budget itself. Few programs (<= ~12 for budgets up to 16k) and little padding where decode lives.
 DENSE_UP_TO = 64
+# XLA:GPU command buffers (CUDA graphs) for the step programs when EngineConfig.command_buffers is "auto". Off: on
+# the H200 the Llama-8B decode step was faster without them at 32 x 1k, 64 x 8k and 1 x 1k in two separate calls
+# (benchmarks/RESULTS.md, sessions 8 and 9).
+GPU_COMMAND_BUFFERS = False
+COMMAND_BUFFERS = ("auto", "on", "off")
 
 
 def token_buckets(max_tokens: int, min_tokens: int = 1) -> tuple[int, ...]:
@@ -172,7 +178,11 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
     src_T = inp["src_T"]
     inp["tokens_T"] = jnp.where(src_T >= 0, jnp.take(prev_M, jnp.maximum(src_T, 0)), inp["tokens_T"])
     scale = rope_attention_scale(spec)
-    bt, kv_lens, cu = inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"]
+    # The attention kernels' index operands as buffers of their own, not views into the packed input: a custom
+    # call whose operand is a (dynamic) slice becomes a dynamic-slice fusion on XLA:GPU, a thunk outside the CUDA
+    # graph (command buffer), i.e. two graph breaks per layer.
+    bt, kv_lens, cu, inp["slots_T"] = jax.lax.optimization_barrier(
+        (inp["block_tables_SP"], inp["kv_lens_S"], inp["cu_q_lens_S1"], inp["slots_T"]))
 
     def attend(layer, q, k, v, cache):
         pages, scales = cache
@@ -215,14 +225,21 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
             return qbuf_QV.at[jnp.where(dst >= 0, dst, Q)].set(q_SV, mode="drop")
         needed = jnp.any((dst >= 0) & (inp["temperature_S"] > 0))
         extra["qbuf"] = jax.lax.cond(needed, stored, lambda: qbuf_QV)
-    top_lp, top_ids = jax.lax.top_k(logprobs_SV, TOP_LOGPROBS)
     out = {"tokens": tok_S,
            # (a slice update, not .at[:S].set: with S == M that is a scatter with an empty index constant, which
            # crashes Shardy's unused-input canonicalization of the shard_map on XLA:CPU, jax 0.11.2)
            "tokens_M": jax.lax.dynamic_update_slice(jnp.zeros_like(prev_M), tok_S, (0,)),
-           "token_logprob": jnp.take_along_axis(logprobs_SV, tok_S[:, None], axis=-1)[:, 0],
-           "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32), **extra}
+           # the top logprobs are not computed here: a top-k over [S, V] on every step cost 0.3-1 ms on the H200
+           # (RESULTS.md, session 8); `ModelRunner.top_logprobs` runs it on the steps that need it
+           "logprobs": logprobs_SV, **extra}
     return out, caches
+
+
+def _top_logprobs(logprobs_UV, tokens_U):
+    """The chosen token's log-probability and the top TOP_LOGPROBS (values, ids) of each sampling row."""
+    top_lp, top_ids = top_k(logprobs_UV, TOP_LOGPROBS)
+    return {"token_logprob": jnp.take_along_axis(logprobs_UV, tokens_U[:, None], axis=-1)[:, 0],
+            "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
 
 
 def resolve_mesh(mesh, devices=None):
@@ -251,7 +268,8 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, params, *, mesh=None, layout: DecodeLayout | None = None, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
                  matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False,
-                 fp8_scales=None, spec_role: str | None = None, spec_tokens: int = 0, shared_params=None):
+                 fp8_scales=None, spec_role: str | None = None, spec_tokens: int = 0, shared_params=None,
+                 command_buffers: str = "auto"):
         """spec_role (speculative decoding, tbjax/engine/speculative.py): "target" gives every step
         max_num_seqs * (spec_tokens + 1) sampling slots (a verify entry samples each of its rows) and verifies drafts
         against the draft-distribution buffer; "draft" stores each sampled row's distribution there.
@@ -274,6 +292,9 @@ class ModelRunner:
             params = fold_layer_norms(spec, params)
         if layer_buffers not in LAYER_BUFFERS:
             raise ValueError(f"layer_buffers must be one of {LAYER_BUFFERS}, got {layer_buffers!r}")
+        if command_buffers not in COMMAND_BUFFERS:
+            raise ValueError(f"command_buffers must be one of {COMMAND_BUFFERS}, got {command_buffers!r}")
+        self.command_buffers = command_buffers
         if matmul_impl not in MATMUL_IMPLS:
             raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
         if layer_buffers == "auto":
@@ -304,6 +325,8 @@ class ModelRunner:
         self.caches = None
         self._fns: dict = {}               # bucket -> jitted step
         self._compiled: dict = {}          # bucket -> executable compiled ahead of use (precompile)
+        self._top_lp = jax.jit(_top_logprobs)
+        self._top_lp_compiled: dict = {}   # sampling slots U -> compiled top-logprobs program (precompile)
         self.ready = False                 # set after precompile(): a later compile is logged as a warning
 
     # ---- KV pools -------------------------------------------------------------------------------------------
@@ -363,7 +386,7 @@ class ModelRunner:
         pspecs = sr.match_rules(self.params, mf.mesh_rules(self.plan))
         cspec = jax.tree.map(lambda _: P(self._bax), self.caches)
         rank = P(self._bax)
-        names = ["tokens", "tokens_M", "token_logprob", "top_logprobs", "top_ids"]
+        names = ["tokens", "tokens_M", "logprobs"]
         names += {"target": ["accepted"], "draft": ["qbuf"]}.get(self.spec_role, [])
         outs = {k: rank for k in names}
         donate = (1, 5) if self.spec_role == "draft" else (1,)
@@ -376,9 +399,19 @@ class ModelRunner:
                 return _body(params, caches, ints, floats, prev_M, qbuf_QV, layout=layout, st=st)
             in_specs = (pspecs, cspec, rank, rank, rank, rank)
         smap = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=(outs, cspec), check_vma=False)
-        fn = jax.jit(smap, donate_argnums=donate, compiler_options=mf.xla_options(self.layout) or None)
+        fn = jax.jit(smap, donate_argnums=donate, compiler_options=self._xla_options() or None)
         self._fns[bucket] = fn
         return fn
+
+    def _xla_options(self) -> dict:
+        """The step programs' compiler options: the mesh layout's (mf.xla_options) and, on GPU, command buffers off
+        when EngineConfig.command_buffers says so."""
+        opts = dict(mf.xla_options(self.layout))
+        if self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"):
+            on = GPU_COMMAND_BUFFERS if self.command_buffers == "auto" else self.command_buffers == "on"
+            if not on:
+                opts["xla_gpu_enable_command_buffer"] = ""
+        return opts
 
     def _static(self, bucket: int) -> _StepStatic:
         return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role)
@@ -494,22 +527,47 @@ class ModelRunner:
             b = self._bucket_for(b)
             if b in self._compiled or b in todo:
                 continue
-            if saveable:                 # a warm start loads the whole executable (no trace, lowering, compile)
-                keys[b] = self._program_key(b)
+            keys[b] = self._program_key(b)
+            exe = program_cache.shared_get(keys[b])       # compiled by another engine of this process
+            if exe is None and saveable:  # a warm start loads the whole executable (no trace, lowering, compile)
                 exe = program_cache.load(keys[b])
                 if exe is not None:
-                    self._compiled[b] = exe
-                    continue
+                    program_cache.shared_put(keys[b], exe)
+            if exe is not None:
+                self._compiled[b] = exe
+                continue
             todo[b] = self._fn(b).lower(*self._abstract_args(b))
+        lp_todo = {}
+        for b in (self.buckets if buckets is None else buckets):
+            U = self.samples_for(self._bucket_for(b))
+            if U in self._top_lp_compiled or U in lp_todo:
+                continue
+            keys[("lp", U)] = self._top_lp_key(U)
+            exe = program_cache.shared_get(keys[("lp", U)])
+            if exe is None and saveable:
+                exe = program_cache.load(keys[("lp", U)])
+                if exe is not None:
+                    program_cache.shared_put(keys[("lp", U)], exe)
+            if exe is not None:
+                self._top_lp_compiled[U] = exe
+                continue
+            lp_todo[U] = self._top_lp.lower(*self._top_lp_args(U))
         bar = tqdm(total=len(todo), desc="compiling step programs", disable=not progress or not todo, unit="prog")
-        with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        with cf.ThreadPoolExecutor(max(1, min(workers, len(todo) + len(lp_todo)))) as pool:
             futs = {pool.submit(lowered.compile): b for b, lowered in todo.items()}
+            lp_futs = {pool.submit(lowered.compile): U for U, lowered in lp_todo.items()}
             for f in cf.as_completed(futs):
                 b = futs[f]
                 self._compiled[b] = f.result()
-                if b in keys:
+                program_cache.shared_put(keys[b], self._compiled[b])
+                if saveable:
                     program_cache.save(keys[b], self._compiled[b])
                 bar.update(1)
+            for f, U in lp_futs.items():
+                self._top_lp_compiled[U] = f.result()
+                program_cache.shared_put(keys[("lp", U)], self._top_lp_compiled[U])
+                if saveable:
+                    program_cache.save(keys[("lp", U)], self._top_lp_compiled[U])
         bar.close()
         if buckets is None:
             self.ready = True
@@ -518,17 +576,19 @@ class ModelRunner:
     def _program_key(self, bucket: int) -> str:
         from tbjax.engine import program_cache
         dev = self.mesh.devices.flat[0]
-        args = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None))),
-                            self._abstract_args(bucket))
+        # leaves by path (a tree.map would rebuild QuantizedWeight nodes around tuples)
+        args = [(jax.tree_util.keystr(k), tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None)))
+                for k, a in jax.tree_util.tree_flatten_with_path(self._abstract_args(bucket))[0]]
         st = self._static(bucket)
         return program_cache.program_key("step", bucket, self._layout(bucket), st, dev.platform,
                                          getattr(dev, "device_kind", ""), dict(self.mesh.shape),
-                                         jax.tree.structure(self.params), args, mf.xla_options(self.layout))
+                                         [d.id for d in self.mesh.devices.flat],
+                                         jax.tree.structure(self.params), args, self._xla_options())
 
     def launch(self, inp: StepInputs, packed=None, want_logprobs: bool = False, prev=None, qbuf=None) -> dict:
         """Start the step on device (no wait); `packed` = inp.pack()'s arrays; `prev` = the previous launch's outputs
         when `inp.src_T` takes tokens from them (overlapped scheduling). Returns the step's outputs as device arrays
-        (logprobs are always computed; `want_logprobs` is accepted for callers and ignored). The KV pools are
+        (`want_logprobs` is accepted for callers and ignored: `fetch` computes the top logprobs). The KV pools are
         updated in place. `qbuf`: the draft-distribution buffer (speculative roles; a draft step donates it and
         returns the new one as out["qbuf"])."""
         ints, floats, _ = inp.pack() if packed is None else packed
@@ -547,21 +607,63 @@ class ModelRunner:
                 raise ValueError(f"a speculative {self.spec_role} step needs the draft-distribution buffer (qbuf)")
             args += (qbuf,)
         exe = self._compiled.get(b)
-        if exe is not None:
-            out, self.caches = exe(*args)
-        else:
-            if self.ready:
-                log.warning("step program for %d tokens per rank (x%d ranks, %d sequence slots, %d pages per "
-                            "sequence) compiles after warm-up", b, self.num_ranks, self.seqs_for(b), self.max_pages)
-            out, self.caches = self._fn(b)(*args)
+        if exe is None:
+            exe = self._shared_or_compile(b)
+        out, self.caches = exe(*args)
         return out
 
-    @staticmethod
-    def fetch(out: dict, want_logprobs: bool = True) -> dict[str, np.ndarray]:
-        """Wait for a launched step and bring what the host needs (not the padded device-side tokens)."""
-        keys = ("tokens", "token_logprob", "top_logprobs", "top_ids") if want_logprobs else ("tokens",)
-        keys += ("accepted",) if "accepted" in out else ()
-        return jax.device_get({k: out[k] for k in keys})
+    def _shared_or_compile(self, b: int):
+        """The step program of bucket b, from another engine of this process (same key) or compiled now."""
+        exe = self._shared_or(self._program_key(b), lambda: self._fn(b).lower(*self._abstract_args(b)),
+                              "step program for %d tokens per rank (x%d ranks, %d sequence slots, %d pages per "
+                              "sequence)" % (b, self.num_ranks, self.seqs_for(b), self.max_pages))
+        self._compiled[b] = exe
+        return exe
+
+    def _shared_or(self, key: str, lower, what: str):
+        """This process's program under `key` (program_cache.shared_get), else `lower()` compiled now and shared;
+        a compile after warm-up is logged as a warning naming `what`."""
+        from tbjax.engine import program_cache
+        exe = program_cache.shared_get(key)
+        if exe is None:
+            if self.ready:
+                log.warning("%s compiles after warm-up", what)
+            exe = lower().compile()
+            program_cache.shared_put(key, exe)
+        return exe
+
+    def _top_lp_args(self, U: int):
+        sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=self._rank_sharding)  # noqa: E731
+        R = self.num_ranks
+        return sd((R * U, self.spec.vocab_size), jnp.float32), sd((R * U,), jnp.int32)
+
+    def _top_lp_key(self, U: int) -> str:
+        from tbjax.engine import program_cache
+        dev = self.mesh.devices.flat[0]
+        return program_cache.program_key("top_logprobs", U, TOP_LOGPROBS, dev.platform, getattr(dev, "device_kind", ""),
+                                         dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat],
+                                         [(a.shape, str(a.dtype), str(a.sharding)) for a in self._top_lp_args(U)])
+
+    def top_logprobs(self, out: dict) -> dict:
+        """The launched step's logprobs (device arrays, no wait): token_logprob [R * U], top_logprobs / top_ids
+        [R * U, TOP_LOGPROBS]."""
+        U = out["tokens"].shape[0] // self.num_ranks
+        exe = self._top_lp_compiled.get(U)
+        if exe is None:
+            exe = self._shared_or(self._top_lp_key(U), lambda: self._top_lp.lower(*self._top_lp_args(U)),
+                                  f"top-logprobs program for {U} sampling slots")
+            self._top_lp_compiled[U] = exe
+        return exe(out["logprobs"], out["tokens"])
+
+    def fetch(self, out: dict, want_logprobs: bool = True) -> dict[str, np.ndarray]:
+        """Wait for a launched step and bring what the host needs (not the padded device-side tokens); with
+        `want_logprobs` also the chosen token's and the top logprobs."""
+        got = {"tokens": out["tokens"]}
+        if "accepted" in out:
+            got["accepted"] = out["accepted"]
+        if want_logprobs:
+            got.update(self.top_logprobs(out))
+        return jax.device_get(got)
 
     def run(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
         """Launch and fetch; outputs in entry order (row i = the i-th entry of `build_inputs`)."""

@@ -33,6 +33,9 @@ returns None, and the caller finishes step N first. A sequence that ends in step
 a later owner's writes (step N+2 onward) land after it, and that position is never in a cached (full, computed)
 page. At most two batches are in flight; ``on_step_done`` takes them in order.
 
+The pieces: ``batch.py`` (the step's work, what ``schedule`` returns), ``dp_ranks.py`` (one rank's pages, an admission
+plan), ``scheduler_pd.py`` (the disaggregation hooks below, a mixin of ``Scheduler``); this module is the policy.
+
 Prefill/decode disaggregation adds three things (the engine's ``export_kv`` / ``reserve_kv`` / ``write_kv_pages``
 / ``add_prefilled_request`` sit on them):
 - ``add(seq, hold_pages=True)``: when such a sequence finishes (not on abort) its pages are *held* instead of
@@ -48,12 +51,13 @@ from __future__ import annotations
 import bisect
 import collections
 import operator
-from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Hashable, Mapping
 
-from .page_allocator import PageAllocator
-from .prefix_cache import PrefixCache, PrefixMatch
+from .batch import ScheduledBatch, ScheduledEntry
+from .dp_ranks import AdmissionPlan, RankPages
 from .request import FinishReason, Sequence, SequenceStatus, StepOutput
+from .scheduler_pd import DisaggregationHooks, KVReservationError
 
 __all__ = ["RequestTooLarge", "KVReservationError", "SchedulerConfig", "ScheduledEntry", "ScheduledBatch", "Scheduler"]
 
@@ -62,10 +66,6 @@ PREEMPTION_MODES = ("recompute", "never")
 
 class RequestTooLarge(ValueError):
     """The request can never be served: prompt + max_tokens exceeds the model's context or one rank's pages."""
-
-
-class KVReservationError(RuntimeError):
-    """A KV reservation cannot be made (no pages / no sequence slot) or is used wrongly (unknown key, size)."""
 
 
 class _NeedsSync(Exception):
@@ -128,119 +128,7 @@ class SchedulerConfig:
         return self.max_num_batched_tokens if c is None else min(c, self.max_num_batched_tokens)
 
 
-@dataclass(frozen=True, eq=False)
-class ScheduledEntry:
-    """Compute ``seq.token_ids[start:start+num_tokens]`` (positions start..start+num_tokens-1) of ``seq``;
-    ``samples``: the last of them yields a new token (decodes and final prefill chunks)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool
-    is_decode: bool
-    from_prev: bool = False  # its one token is the sample of the batch in flight before it (unknown when built)
-    # speculative decoding: a decode entry's tokens are its known last token + up to num_draft drafted ones (not in
-    # seq.token_ids: the engine supplies them); num_tokens = 1 + num_draft, pages and budget cover them all
-    num_draft: int = 0
-
-    @property
-    def seq_id(self) -> Hashable:
-        return self.seq.seq_id
-
-    @property
-    def dp_rank(self) -> int:
-        return self.seq.dp_rank
-
-    @property
-    def block_table(self) -> list[int]:
-        return self.seq.block_table
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens - self.num_draft]
-
-    @property
-    def end(self) -> int:
-        """Context length after this step (positions computed so far + this chunk)."""
-        return self.start + self.num_tokens
-
-
-@dataclass(eq=False)
-class ScheduledBatch:
-    """One step's work: decode entries first, then prefill chunks."""
-
-    step: int
-    entries: list[ScheduledEntry]
-    preempted: list[Hashable] = field(default_factory=list)  # seq ids preempted while building this batch
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.entries)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(e.is_decode for e in self.entries)
-
-    @property
-    def decode_entries(self) -> list[ScheduledEntry]:
-        return [e for e in self.entries if e.is_decode]
-
-    @property
-    def prefill_entries(self) -> list[ScheduledEntry]:
-        return [e for e in self.entries if not e.is_decode]
-
-    @property
-    def max_num_pages(self) -> int:
-        return max((len(e.seq.block_table) for e in self.entries), default=0)
-
-    def by_rank(self, dp: int) -> list[list[ScheduledEntry]]:
-        out = [[] for _ in range(dp)]
-        for e in self.entries:
-            out[e.seq.dp_rank].append(e)
-        return out
-
-    def __iter__(self) -> Iterator[ScheduledEntry]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-class _Rank:
-    """Pages of one dp rank: allocator, prefix cache, worst-case reservations ("never" mode)."""
-
-    def __init__(self, idx: int, cfg: SchedulerConfig):
-        self.idx = idx
-        self.allocator = PageAllocator(cfg.num_pages, cfg.page_size, reserve_null_page=cfg.reserve_null_page)
-        self.cache = PrefixCache(self.allocator) if cfg.enable_prefix_caching else None
-        self.reserved = 0
-        self.num_running = 0
-
-    @property
-    def evictable(self) -> int:
-        return self.cache.num_evictable if self.cache is not None else 0
-
-    @property
-    def headroom(self) -> int:
-        """Pages obtainable now (free + evictable) that no reservation has claimed."""
-        return self.allocator.num_free + self.evictable - self.reserved
-
-
-@dataclass
-class _Plan:
-    rank: _Rank
-    match: PrefixMatch | None
-    start: int
-    num_tokens: int
-    new_pages: int  # pages to take now (recompute) or reserve (never)
-    unlocked: int  # cached pages on the match path that locking takes off the evictable count
-
-
-class Scheduler:
+class Scheduler(DisaggregationHooks):
     """Continuous batching with chunked prefill over ``dp`` ranks of paged KV (see module docstring)."""
 
     def __init__(self, config: SchedulerConfig):
@@ -248,7 +136,7 @@ class Scheduler:
             raise TypeError(f"Scheduler needs a SchedulerConfig, got {type(config).__name__}")
         self.config = config
         self.page_size = config.page_size
-        self.ranks = [_Rank(i, config) for i in range(config.dp)]
+        self.ranks = [RankPages(i, config) for i in range(config.dp)]
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []  # sorted by arrival
         self._seqs: dict[Hashable, Sequence] = {}
@@ -336,119 +224,6 @@ class Scheduler:
         if reason is not FinishReason.ABORT:
             self.num_finished += 1
 
-    # -- held pages (prefill side of disaggregation) ----------------------------------------------------
-    def held(self, seq_id: Hashable) -> Sequence | None:
-        """A finished sequence whose pages are held (``add(..., hold_pages=True)``), or None."""
-        return self._held.get(seq_id)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
-    def release_held(self, seq_id: Hashable) -> bool:
-        """Free the pages of a held sequence; False if ``seq_id`` holds none."""
-        self._hold.discard(seq_id)
-        seq = self._held.pop(seq_id, None)
-        if seq is None:
-            return False
-        self._drop_pages(seq)
-        return True
-
-    # -- late reservations and prefilled sequences (decode side) ----------------------------------------
-    def _slots_taken(self) -> int:
-        """Sequence slots in use: running sequences plus open KV reservations (each becomes a running sequence when
-        its transfer completes), so admissions and reservations together never exceed ``max_num_seqs``."""
-        return len(self._running) + len(self._reservations)
-
-    def reserve(self, key: Hashable, num_pages: int) -> list[int]:
-        """Take ``num_pages`` pages (and one sequence slot) for KV that will be written from elsewhere."""
-        if not _is_int(num_pages) or num_pages < 1:
-            raise KVReservationError(f"reservation {key!r}: num_pages must be an int >= 1, got {num_pages!r}")
-        if key in self._reservations:
-            raise KVReservationError(f"reservation {key!r} already exists")
-        if num_pages > self.config.usable_pages:
-            raise KVReservationError(f"reservation {key!r}: {num_pages} pages wanted but a dp rank has only "
-                                     f"{self.config.usable_pages}")
-        if self._slots_taken() >= self.config.max_num_seqs:
-            raise KVReservationError(f"reservation {key!r}: all {self.config.max_num_seqs} sequence slots are taken "
-                                     f"({len(self._running)} running, {len(self._reservations)} reserved)")
-        r = max(self.ranks, key=lambda r: (r.headroom, -r.num_running, -r.idx))
-        if r.headroom < num_pages:
-            raise KVReservationError(f"reservation {key!r}: {num_pages} KV pages wanted, only {max(0, r.headroom)} "
-                                     f"obtainable (free + evictable, less reservations)")
-        short = num_pages - r.allocator.num_free
-        if short > 0 and r.cache is not None:
-            r.cache.evict(short)
-        pages = r.allocator.allocate(num_pages)
-        self._reservations[key] = (r.idx, pages)
-        return list(pages)
-
-    def reservation(self, key: Hashable) -> tuple[int, list[int]] | None:
-        """(dp rank, page ids) of an open reservation, or None."""
-        res = self._reservations.get(key)
-        return None if res is None else (res[0], list(res[1]))
-
-    @property
-    def num_reservations(self) -> int:
-        return len(self._reservations)
-
-    def release_reservation(self, key: Hashable) -> bool:
-        """Give back the pages of a reservation that will not be used; False if there is none."""
-        res = self._reservations.pop(key, None)
-        if res is None:
-            return False
-        self.ranks[res[0]].allocator.decref_all(res[1])
-        return True
-
-    def add_prefilled(self, seq: Sequence, key: Hashable, first_token: int) -> FinishReason | None:
-        """Start ``seq`` RUNNING on the pages of reservation ``key``, which hold its whole prompt's KV, with
-        ``first_token`` (sampled by the prefill side) appended. Returns a finish reason when that token already
-        ends the request (its pages are then freed and nothing runs)."""
-        self._check_new(seq)
-        if isinstance(first_token, bool) or not isinstance(first_token, int) or first_token < 0:
-            raise ValueError(f"request {seq.seq_id!r}: first_token must be a non-negative int, got {first_token!r}")
-        res = self._reservations.get(key)
-        if res is None:
-            raise KVReservationError(f"no reservation {key!r} for request {seq.seq_id!r} (released or never made)")
-        rank, pages = res
-        need = _cdiv(seq.num_prompt_tokens, self.page_size)
-        if len(pages) != need:
-            raise KVReservationError(f"reservation {key!r} has {len(pages)} pages; the {seq.num_prompt_tokens}-token "
-                                     f"prompt of {seq.seq_id!r} fills {need}")
-        r = self.ranks[rank]
-        extra = 0
-        if self.config.preemption == "never":
-            extra = max(0, _cdiv(seq.max_kv_tokens, self.page_size) - need)
-            if extra > r.headroom:
-                raise KVReservationError(f"request {seq.seq_id!r}: {extra} more pages needed for its output, only "
-                                         f"{max(0, r.headroom)} obtainable")
-        del self._reservations[key]
-        seq.arrival = self._arrivals
-        self._arrivals += 1
-        first = int(first_token)
-        seq.token_ids.append(first)
-        reason = seq.check_stop(first)
-        if reason is None and self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            r.allocator.decref_all(pages)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = reason
-            if reason is FinishReason.STOP:
-                seq.stop_token_id = first
-            self.num_finished += 1
-            return reason
-        seq.dp_rank = rank
-        seq.status = SequenceStatus.RUNNING
-        seq.block_table = list(pages)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq._reserved_pages = extra
-        r.reserved += extra
-        r.num_running += 1
-        self._seqs[seq.seq_id] = seq
-        bisect.insort(self._running, seq, key=lambda s: s.arrival)
-        return None
-
     # -- queries --------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -534,7 +309,7 @@ class Scheduler:
         raise RuntimeError(f"no running sequence on rank {rank} to preempt")
 
     # -- admission ------------------------------------------------------------------------------------
-    def _plan(self, seq: Sequence, r: _Rank, budget: int) -> _Plan | None:
+    def _plan(self, seq: Sequence, r: RankPages, budget: int) -> AdmissionPlan | None:
         g = self.page_size
         tokens = seq.token_ids
         match = None
@@ -552,9 +327,9 @@ class Scheduler:
             new_pages = _cdiv(start + n, g) - m
         if new_pages + unlocked > r.headroom:
             return None
-        return _Plan(r, match, start, n, new_pages, unlocked)
+        return AdmissionPlan(r, match, start, n, new_pages, unlocked)
 
-    def _admit(self, seq: Sequence, plan: _Plan) -> None:
+    def _admit(self, seq: Sequence, plan: AdmissionPlan) -> None:
         r = plan.rank
         seq.dp_rank = r.idx
         seq.status = SequenceStatus.RUNNING

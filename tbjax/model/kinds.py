@@ -45,7 +45,7 @@ def gqa_shapes(s: ModelSpec):
     return out
 
 
-def gqa_qkv(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
+def gqa_qkv(spec: ModelSpec, p, x_TD, cos_Tr, sin_Tr):
     """Norm + fused QKV projection + q/k norm + RoPE. Returns q_TNH, k_TKH, v_TKH."""
     T = x_TD.shape[0]
     h, s_T1 = _norm_in(spec, p, "attn_norm", x_TD)
@@ -65,7 +65,7 @@ def gqa_qkv(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
     if "q_norm" in p:
         q = ly.rms_norm(q, p["q_norm"], spec.norm_eps)
         k = ly.rms_norm(k, p["k_norm"], spec.norm_eps)
-    return ly.apply_rope(q, cos_TR, sin_TR), ly.apply_rope(k, cos_TR, sin_TR), v
+    return ly.apply_rope(q, cos_Tr, sin_Tr), ly.apply_rope(k, cos_Tr, sin_Tr), v
 
 
 def gqa_out(spec: ModelSpec, p, o_TNH):
@@ -156,9 +156,9 @@ def require_kind(spec: ModelSpec, attention: str, ffn: str):
         raise NotImplementedError(f"{spec.arch}: FFN kind {ffn!r} is not implemented yet")
 
 
-def gqa_apply(spec: ModelSpec, p, x_TD, cos_TR, sin_TR, attend, layer: int, cache):
+def gqa_apply(spec: ModelSpec, p, x_TD, cos_Tr, sin_Tr, attend, layer: int, cache):
     """One attention sub-block; `attend(layer, q_TNH, k_TKH, v_TKH, cache) -> (o_TNH, cache)` does the mixing."""
-    q, k, v = gqa_qkv(spec, p, x_TD, cos_TR, sin_TR)
+    q, k, v = gqa_qkv(spec, p, x_TD, cos_Tr, sin_Tr)
     o, cache = attend(layer, q, k, v, cache)
     return gqa_out(spec, p, o), cache
 

@@ -75,12 +75,12 @@ def rope_cos_sin(positions_T, rope: RopeSpec):
     return jnp.cos(ang) * s, jnp.sin(ang) * s
 
 
-def apply_rope(x_TNH, cos_TR, sin_TR):
-    """Rotate-half RoPE (Hugging Face convention) on the first 2R dims of each head; the rest pass through."""
-    r = cos_TR.shape[-1]
+def apply_rope(x_TNH, cos_Tr, sin_Tr):
+    """Rotate-half RoPE (Hugging Face convention) on the first 2r dims of each head; the rest pass through."""
+    r = cos_Tr.shape[-1]
     x = x_TNH.astype(jnp.float32)
     x1, x2, rest = x[..., :r], x[..., r:2 * r], x[..., 2 * r:]
-    c, s = cos_TR[:, None, :], sin_TR[:, None, :]
+    c, s = cos_Tr[:, None, :], sin_Tr[:, None, :]
     out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
     return out.astype(x_TNH.dtype)
 

@@ -63,19 +63,19 @@ def latent_dim(spec: ModelSpec) -> int:
     return spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
 
 
-def apply_rope_interleaved(x_TNR, cos_TR, sin_TR):
+def apply_rope_interleaved(x_TNr, cos_Tr, sin_Tr):
     """RoPE on interleaved pairs (x0,x1),(x2,x3)...; output de-interleaved [rotated evens | rotated odds]."""
-    x = x_TNR.astype(jnp.float32)
+    x = x_TNr.astype(jnp.float32)
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos_TR[:, None, :], sin_TR[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNR.dtype)
+    c, s = cos_Tr[:, None, :], sin_Tr[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNr.dtype)
 
 
 def _mm(a, w):
     return matmul(a, w)
 
 
-def mla_project(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
+def mla_project(spec: ModelSpec, p, x_TD, cos_Tr, sin_Tr):
     """Returns q_nope_TNd, q_rope_TNr (rotated) and kv_latent_TC = [rmsnorm(c) | rotated k_rope]."""
     m = spec.mla
     T = x_TD.shape[0]
@@ -86,10 +86,10 @@ def mla_project(spec: ModelSpec, p, x_TD, cos_TR, sin_TR):
     else:
         q = _mm(h, p["wq"])
     q = q.reshape(T, N, dn + dr)
-    q_nope, q_rope = q[..., :dn], apply_rope_interleaved(q[..., dn:], cos_TR, sin_TR)
+    q_nope, q_rope = q[..., :dn], apply_rope_interleaved(q[..., dn:], cos_Tr, sin_Tr)
     ckv = _mm(h, p["wkv_a"])
     c = ly.rms_norm(ckv[:, :R], p["kv_a_norm"], LATENT_NORM_EPS)
-    k_rope = apply_rope_interleaved(ckv[:, None, R:], cos_TR, sin_TR)[:, 0]
+    k_rope = apply_rope_interleaved(ckv[:, None, R:], cos_Tr, sin_Tr)[:, 0]
     return q_nope, q_rope, jnp.concatenate([c, k_rope], axis=-1)
 
 
@@ -101,12 +101,12 @@ def _split_kvb(spec: ModelSpec, p):
     return w[..., :m.qk_nope_head_dim], w[..., m.qk_nope_head_dim:]     # W_uk [R, N, dn], W_uv [R, N, dv]
 
 
-def mla_apply(spec: ModelSpec, p, x_TD, cos_TR, sin_TR, attend, layer, cache):
+def mla_apply(spec: ModelSpec, p, x_TD, cos_Tr, sin_Tr, attend, layer, cache):
     """ATTENTION_APPLY entry: expanded k/v, or the latent (absorbed) form when `attend.mla_latent` is True."""
     m = spec.mla
     T = x_TD.shape[0]
     N, dn, dr, dv, R = spec.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-    q_nope, q_rope, lat = mla_project(spec, p, x_TD, cos_TR, sin_TR)
+    q_nope, q_rope, lat = mla_project(spec, p, x_TD, cos_Tr, sin_Tr)
     w_uk, w_uv = _split_kvb(spec, p)
     dt = x_TD.dtype
     if getattr(attend, "mla_latent", False):

@@ -49,7 +49,7 @@ def moe_shapes(s: ModelSpec):
 
 
 def route(m: MoESpec, logits_TE, bias_E=None):
-    """Top-k experts and their weights from router logits (float32). Returns (ids_TK int32, w_TK float32)."""
+    """Top-k experts and their weights from router logits (float32). Returns (ids_TA int32, w_TA float32)."""
     logits = logits_TE.astype(jnp.float32)
     T, E = logits.shape
     if m.router == "softmax":

@@ -64,3 +64,19 @@ def split_layer_buffers(params):
     groups = {g: {k: [v.take(i) if isinstance(v, QuantizedWeight) else v[i] for i in range(v.shape[0])]
                   for k, v in gp.items()} for g, gp in params["groups"].items()}
     return {**params, "groups": groups}
+
+
+def first_layers(spec: ModelSpec, params, n: int):
+    """(spec, params) of the model's first `n` layers with its own embedding, final norm and head: a small real
+    model (its weights, tokenizer and layer kinds) for tests and quick experiments. Quantized weights slice along
+    their stacking axis like arrays."""
+    if not 0 < n <= spec.n_layers:
+        raise ValueError(f"first_layers: n={n}, the model has {spec.n_layers} layers")
+    small = spec.replace(n_layers=n, sliding_window_layers=tuple(i for i in spec.sliding_window_layers if i < n))
+    keep = {g.name: sum(i < n for i in g.layers) for g in spec.layer_groups}
+    groups = {name: jax.tree.map(lambda a, k=keep[name]: a[:k], tree)
+              for name, tree in params["groups"].items() if keep[name]}
+    if set(groups) != {g.name for g in small.layer_groups}:
+        raise ValueError(f"first_layers: groups {sorted(groups)} do not match the small spec's "
+                         f"{[g.name for g in small.layer_groups]}")
+    return small, {**params, "groups": groups}

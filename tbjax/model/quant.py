@@ -23,6 +23,7 @@ A `QuantizedWeight` is a registered pytree (leaves q, scale, zero) that knows it
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -122,7 +123,11 @@ class QuantizedWeight:
         return [a for a in (self.q, self.scale, self.zero) if a is not None]
 
     def __repr__(self):
-        return (f"QuantizedWeight({self.fmt}, shape={self.shape}, block={self.block}, dtype={self.dtype.name}, "
+        try:
+            shape = self.shape
+        except (AttributeError, TypeError):       # leaves that are not arrays (a tree.map over the weights)
+            shape = "?"
+        return (f"QuantizedWeight({self.fmt}, shape={shape}, block={self.block}, dtype={self.dtype.name}, "
                 f"q={getattr(self.q, 'dtype', '?')}{tuple(getattr(self.q, 'shape', ()))}, "
                 f"scale={getattr(self.scale, 'dtype', '?')}, zero={self.zero is not None})")
 
@@ -388,18 +393,13 @@ def stack(parts, axis: int = 0):
 
 
 # ---- quantizers (float checkpoints, or converting between formats) ----------------------------------------------
-def quantize(w, fmt: str, in_axis: int, group: int | None = None, out_axis: int | None = None) -> HostQuant:
-    """Quantize a float array (numpy, float32 math) along its input axis `in_axis`.
-
-    int8: symmetric, amax/127 per output channel (group None: the whole input axis) or per `group` inputs.
-    int4: asymmetric, (max - min)/15 per `group` (default 32) inputs, zero = min.
-    fp8:  amax/448 per 128 x 128 block of (in_axis, out_axis) (out_axis default: the last axis other than in_axis)."""
-    w = np.asarray(w, np.float32)
-    nd = w.ndim
+def scale_block(shape, fmt: str, in_axis: int, group: int | None = None, out_axis: int | None = None) -> tuple:
+    """Per axis, how many elements of a `shape` tensor share one scale when `quantize` puts it in `fmt` (see there)."""
+    nd = len(shape)
     in_axis %= nd
     block = [1] * nd
     if fmt == "int8":
-        block[in_axis] = w.shape[in_axis] if group is None else group
+        block[in_axis] = shape[in_axis] if group is None else group
     elif fmt == "int4":
         block[in_axis] = INT4_GROUP if group is None else group
     elif fmt == "fp8":
@@ -408,9 +408,30 @@ def quantize(w, fmt: str, in_axis: int, group: int | None = None, out_axis: int 
         block[in_axis], block[out_axis % nd] = FP8_BLOCK
     else:
         raise QuantError(f"unknown quantized format {fmt!r}")
-    if fmt != "fp8" and w.shape[in_axis] % block[in_axis]:
-        block[in_axis] = math.gcd(w.shape[in_axis], block[in_axis])
-    block = tuple(block)
+    if fmt != "fp8" and shape[in_axis] % block[in_axis]:
+        block[in_axis] = math.gcd(shape[in_axis], block[in_axis])
+    return tuple(int(b) for b in block)
+
+
+def quantized_nbytes(shape, fmt: str, in_axis: int, group: int | None = None) -> int:
+    """Resident bytes of a `shape` tensor quantized to `fmt` along `in_axis` (codes, float32 scales, int4's float32
+    zeros), without building it: what `quantize(...).to_device(...)` holds. For planners."""
+    block = scale_block(shape, fmt, in_axis, group)
+    n_scales = math.prod(-(-int(n) // b) for n, b in zip(shape, block))
+    if fmt == "int4":                    # two codes per byte along the last axis; scale and zero per group
+        return math.prod(shape[:-1]) * -(-int(shape[-1]) // 2) + 8 * n_scales
+    return math.prod(shape) + 4 * n_scales
+
+
+def quantize(w, fmt: str, in_axis: int, group: int | None = None, out_axis: int | None = None) -> HostQuant:
+    """Quantize a float array (numpy, float32 math) along its input axis `in_axis`.
+
+    int8: symmetric, amax/127 per output channel (group None: the whole input axis) or per `group` inputs.
+    int4: asymmetric, (max - min)/15 per `group` (default 32) inputs, zero = min.
+    fp8:  amax/448 per 128 x 128 block of (in_axis, out_axis) (out_axis default: the last axis other than in_axis)."""
+    w = np.asarray(w, np.float32)
+    nd = w.ndim
+    block = scale_block(w.shape, fmt, in_axis, group, out_axis)
     # view every block's elements on axes of their own: pad to whole blocks, reshape (n/b, b) per axis
     pads = [(0, -(-n // b) * b - n) for n, b in zip(w.shape, block)]
     wp = np.pad(w, pads) if any(p[1] for p in pads) else w
@@ -466,11 +487,65 @@ def matrix_in_axis(name: str, ndim: int) -> int | None:
     return ndim - 2
 
 
-def quantize_tree(params, fmt: str, dtype=None):
+@functools.partial(jax.jit, static_argnames=("fmt", "in_axis"))
+def _quantize_on_device(w, qmax, fmt: str, in_axis: int):
+    def div(a, b):                       # a / b as numpy divides (b broadcast to a's shape)
+        return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+
+    """`quantize` in jnp (the same float32 operations, so the same codes and scales), codes packed as stored. XLA
+    rewrites a division by a broadcast into a multiplication by the broadcast reciprocal, which rounds differently
+    from numpy's division: every divisor here is broadcast to its dividend's shape behind an optimization barrier."""
+    shape, nd = w.shape, w.ndim
+    block = scale_block(shape, fmt, in_axis)
+    w = w.astype(jnp.float32)
+    pads = [(0, -(-n // b) * b - n) for n, b in zip(shape, block)]
+    wp = jnp.pad(w, pads) if any(p[1] for p in pads) else w
+    split = []
+    for n, b in zip(wp.shape, block):
+        split += [n // b, b]
+    wb = wp.reshape(split)
+    red = tuple(range(1, 2 * nd, 2))
+    zero = None
+    if fmt == "int4":
+        lo, hi = wb.min(axis=red, keepdims=True), wb.max(axis=red, keepdims=True)
+        s = div(hi - lo, qmax)
+        inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+        q = jnp.clip(jnp.round((wb - lo) * inv), 0, 15).astype(jnp.uint8)
+        zero, s = lo, jnp.where(s > 0, s, 1.0)
+    else:
+        amax = jnp.abs(wb).max(axis=red, keepdims=True)
+        s = jnp.where(amax > 0, div(amax, qmax), 1.0)
+        x = div(wb, s)
+        q = jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8) if fmt == "int8" else \
+            jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)
+    q = q.reshape(wp.shape)[tuple(slice(0, n) for n in shape)]
+    sq = tuple(-(-n // b) for n, b in zip(shape, block))
+    if fmt == "int4":                    # packed as HostQuant.to_device packs
+        if shape[-1] % 2:
+            q = jnp.pad(q, [(0, 0)] * (nd - 1) + [(0, 1)])
+        h = q.shape[-1] // 2
+        q = ((q[..., :h] & 15) | ((q[..., h:] & 15) << 4)).astype(jnp.uint8)
+    return q, s.reshape(sq), None if zero is None else zero.reshape(sq)
+
+
+def quantize_on_device(w, fmt: str, in_axis: int, dtype=None) -> QuantizedWeight:
+    """A device array quantized to `fmt` along `in_axis` where it lives (the rules and results of `quantize`,
+    without a host copy: a bf16 checkpoint already on the accelerator, synthetic benchmark weights)."""
+    if fmt not in FORMATS:
+        raise QuantError(f"unknown quantized format {fmt!r}")
+    in_axis %= w.ndim
+    qmax = {"int8": 127.0, "fp8": FP8_MAX, "int4": 15.0}[fmt]
+    q, s, z = _quantize_on_device(w, jnp.float32(qmax), fmt, in_axis)
+    return QuantizedWeight(q, s, z, fmt=fmt, block=scale_block(w.shape, fmt, in_axis), shape=w.shape,
+                           dtype=dtype or w.dtype)
+
+
+def quantize_tree(params, fmt: str, dtype=None, *, on_device: bool = False):
     """The tree with every matrix (see matrix_in_axis) quantized to `fmt` on the host (float32 math), placed as
     QuantizedWeights whose compute dtype is `dtype` (default: the float leaf's dtype). Already quantized weights are
     converted (int4 -> int8 exactly, others through float32). For float checkpoints and tests; loaders convert
-    their own formats while assembling."""
+    their own formats while assembling. `on_device`: float matrices are quantized where they live
+    (`quantize_on_device`, the same codes)."""
     if fmt not in FORMATS:
         raise QuantError(f"quantize_tree: format must be one of {FORMATS}, got {fmt!r}")
 
@@ -485,6 +560,8 @@ def quantize_tree(params, fmt: str, dtype=None):
             if leaf.fmt == fmt:
                 return leaf
             leaf = np.asarray(dequantize(leaf, jnp.float32))
+        elif on_device:
+            return quantize_on_device(leaf, fmt, ax, dt)
         h = quantize(np.asarray(jnp.asarray(leaf, jnp.float32)), fmt, in_axis=ax)
         return h.to_device(dt)
 

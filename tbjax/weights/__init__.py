@@ -113,15 +113,20 @@ def load_model_info(path: str | None = None):
     return spec, tok
 
 
-def convert(src: str | None, dst: str, dtype=None, progress: bool = True, weight_dtype=None):
+def convert(src: str | None, dst: str, dtype=None, progress: bool = True, weight_dtype=None,
+            layers: int | None = None):
     """Convert any loadable model into a tbjax orbax checkpoint at `dst` (spec + tokenizer stored beside); quantized
-    weights are saved in their resident format (weight_dtype as in `load_model`)."""
+    weights are saved in their resident format (weight_dtype as in `load_model`). `layers`: keep only the first
+    that many layers (tbjax.model.params.first_layers: a small real model for tests)."""
     from tbjax.default_model import default_model_path
     from tbjax.weights import checkpoint
     from tbjax.weights.gguf_file import GGUFFile
 
     src = default_model_path() if src is None else src
     spec, params, tok = load_model(src, dtype=dtype, progress=progress, weight_dtype=weight_dtype)
+    if layers is not None:
+        from tbjax.model.params import first_layers
+        spec, params = first_layers(spec, params, layers)
     meta = None
     if os.path.isfile(src):
         full = GGUFFile(src).metadata()

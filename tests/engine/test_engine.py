@@ -236,3 +236,44 @@ def test_fp8_kv_close_to_bf16_and_holds_twice_the_tokens(model):
     # max 0.30-0.53 (two random inits of the same shapes); the real-model figure is in test_llm_api.py
     print(f"fp8 vs bf16 KV: mean |dlogprob| {np.mean(diffs):.4f}, max {max(diffs):.4f} over {len(diffs)} entries")
     assert np.mean(diffs) < 0.2 and max(diffs) < 0.7
+
+
+def test_engines_share_programs_only_when_their_keys_match(model, expected):
+    """Compiled step programs are shared between engines of one process whose program keys match
+    (tbjax/engine/program_cache.py): a second engine with the same settings compiles nothing; one on another device
+    or with another page size compiles its own (the key holds device ids and shapes); all give the reference tokens."""
+    import jax
+    import jax.monitoring
+
+    from tbjax.engine import program_cache
+    program_cache.shared_clear()
+    n, counting = [0], [True]
+
+    def count(ev, d, **kw):       # (listeners cannot be removed one by one: this one stops counting instead)
+        if counting[0] and ev == "/jax/core/compile/backend_compile_duration":
+            n[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(count)
+    greedy = SamplingParams.greedy(N_OUT, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    cfg = dict(num_pages=40, max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=8)
+
+    def run(eng):
+        c0 = n[0]
+        outs, _ = run_all(eng, prompts, greedy)
+        assert [outs[i] for i in range(len(prompts))] == expected[:len(prompts)]
+        return n[0] - c0
+    try:
+        first = run(_engine(model, **cfg))
+        again = run(_engine(model, **cfg))
+        dev = jax.devices()[1]
+        spec, params = model
+        with jax.default_device(dev):
+            other = Engine(spec, jax.device_put(params, dev), byte_tokenizer(),
+                           EngineConfig(page_size=4, **cfg))
+        assert other.runner.mesh.devices.flat[0] == dev
+        elsewhere = run(other)
+        wider = run(_engine(model, **{**cfg, "page_size": 8}))
+    finally:
+        counting[0] = False
+    assert first > 0 and again == 0, (first, again)
+    assert elsewhere > 0 and wider > 0, (elsewhere, wider)

@@ -63,7 +63,7 @@ def _all_free(engine):
 
 def _disaggregated(pre, dec, prompts, params, stacked=False):
     """Prefill everything on ``pre``, move the KV, decode on ``dec``; returns first token + decoded tokens.
-    ``stacked``: export on the device in the transfer layout [B, L, G, 2K, H] (padding rows included) and write
+    ``stacked``: export on the device in the transfer layout [X, L, G, 2K, H] (padding rows included) and write
     that layout, as a same-host transfer does."""
     for i, p in enumerate(prompts):
         pre.add_request(i, p, params, prefill_only=True)

@@ -217,3 +217,35 @@ def test_mla_kv_export_is_refused_clearly():
     _, kv = pipe.prefill([1, 2, 3])
     with pytest.raises(NotImplementedError, match="latent form"):
         kv_to_transfer_pages(spec, kv, 4, "float32")
+
+
+def test_pipeline_engine_warmup_compiles_what_prefill_runs():
+    """PipelinePrefillEngine.warmup (what `serve --role split --pp N --warmup` runs before ready): afterwards the
+    first token of a prefill-only request of another length compiles nothing (backend compiles counted with
+    jax.monitoring; the KV export that follows still compiles per prompt page count), equals forward_dense's greedy
+    token, and the warm-up request left no KV behind."""
+    from engine_helpers import byte_tokenizer
+    from tbjax.prefill_pipeline import PipelinePrefillEngine
+    from tbjax.sampling import SamplingParams
+    spec, params = tiny_model()
+    pre = PipelinePrefillEngine(spec, params, byte_tokenizer(), jax.devices()[:2], page_size=4, chunk_tokens=16,
+                                max_model_len=128)
+    info = pre.warmup()
+    assert info["programs"] == 2
+    n, counting = [0], [True]
+
+    def count(ev, d, **kw):       # (listeners cannot be removed one by one: this one stops counting instead)
+        if counting[0] and ev == "/jax/core/compile/backend_compile_duration":
+            n[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        ids = [int(t) for t in np.random.default_rng(3).integers(0, spec.vocab_size, 11)]
+        pre.add_request("r", ids, SamplingParams.greedy(1), prefill_only=True)
+        first = pre.step()[0].new_token_ids[0]
+    finally:
+        counting[0] = False
+    assert n[0] == 0, f"{n[0]} compiles after warm-up"
+    logits = forward_dense(params, spec, jnp.asarray(ids, jnp.int32))[0]
+    assert first == int(np.argmax(np.asarray(logits[len(ids) - 1])))
+    with pytest.raises(KeyError, match="no KV to export"):
+        pre.export_kv("__tbjax_pipeline_warmup__")

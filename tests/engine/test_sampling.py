@@ -1,4 +1,5 @@
 """Sampling against a float64 numpy reference of the allowed-token set, seeded determinism, validation errors."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,3 +86,22 @@ def test_candidate_fast_path_draws_what_the_full_sort_draws(temp, k, p, mp):
     for i in range(0, n, 64):                          # each row alone (where the fast path may apply) = in batch
         one, _ = sample(*(x[i:i + 1] for x in a), candidates=16)
         assert int(one[0]) == int(fast[i])
+
+
+@pytest.mark.parametrize("B,V,k", [(3, 1000, 20), (2, 50, 50), (4, 4096, 64), (1, 300, 17), (2, 100, 16)])
+def test_top_k_in_rounds_equals_lax_top_k(B, V, k):
+    """The rounds-of-16 top_k (one TopK kernel per round on GPU) against lax.top_k on distinct values, and on rows
+    with ties (same values; ids may differ among equal values, so the ids are checked to point at those values)."""
+    from tbjax.sampling import top_k
+    rng = np.random.default_rng(B * V + k)
+    x = rng.standard_normal((B, V)).astype(np.float32)
+    v, i = jax.jit(lambda x: top_k(x, k))(x)
+    rv, ri = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+    xt = np.round(x * 2) / 2                                  # many ties
+    v, i = jax.jit(lambda x: top_k(x, k))(xt)
+    rv, _ = jax.lax.top_k(xt, k)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+    np.testing.assert_array_equal(np.take_along_axis(xt, np.asarray(i), axis=-1), np.asarray(rv))
+    assert all(len(set(row)) == k for row in np.asarray(i).tolist())       # no id twice

@@ -166,8 +166,8 @@ def test_write_kv_appends_like_the_rule(dtype):
 def test_write_kv_requantizes_a_page_whose_scale_grows():
   rng, seed = fresh_rng()
   P, G, K, H = 3, 4, 1, 8
-  pool = jnp.zeros((P, G, 2, H), jnp.float8_e4m3fn)
-  sc = jnp.zeros((P, 2), jnp.float32)
+  pool = jnp.zeros((P, G, 2 * K, H), jnp.float8_e4m3fn)
+  sc = jnp.zeros((P, 2 * K), jnp.float32)
   small = rng.uniform(0.5, 1.0, (1, 1, H)).astype(np.float32)
   pool, sc = pa.write_kv(pool, sc, jnp.asarray(small), jnp.asarray(small), jnp.asarray([4], jnp.int32))
   big = small * 100
@@ -199,13 +199,13 @@ def _np_select(q, kmin, kmax, bt, lens, G, sink, window, topk):
   S, N, H = q.shape
   K = kmin.shape[1]
   g = N // K
-  B = min(bt.shape[1], sink + window + topk)
+  U = min(bt.shape[1], sink + window + topk)
   out = []
   for s in range(S):
     n = -(-int(lens[s]) // G)
     row = []
     for k in range(K):
-      if n <= B:
+      if n <= U:
         chosen = list(range(n))
       else:
         fixed = set(range(sink)) | set(range(n - window, n))
@@ -247,7 +247,7 @@ def test_sparse_reference_matches_oracle_and_dense_when_all_pages_fit():
   out, (_, logical, _) = pa.paged_sparse_decode_attention(q, kv, bt, lens, kmin, kmax, num_sink_pages=1,
                                                           num_window_pages=1, top_k_pages=2, kv_scales_PK=sc,
                                                           impl="reference", return_selection=True)
-  want = oracle_decode(q, kv, bt, lens, scales_PK=sc, logical_pages_SKB=np.asarray(logical))
+  want = oracle_decode(q, kv, bt, lens, scales_PK=sc, logical_pages_SKU=np.asarray(logical))
   assert max_err(out, want) < 2e-2, f"seed {seed}"
   everything = pa.paged_sparse_decode_attention(q, kv, bt, lens, kmin, kmax, num_sink_pages=1, num_window_pages=1,
                                                 top_k_pages=50, kv_scales_PK=sc, impl="reference")
@@ -255,11 +255,14 @@ def test_sparse_reference_matches_oracle_and_dense_when_all_pages_fit():
   assert max_err(everything, dense) < 1e-2, f"seed {seed}"
 
 
+@pytest.mark.parametrize("rows_max_t", [0, 64])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1, 0], [1, 1, 19, 1, 0, 0], [7, 1, 1, 0], [1, 0, 0, 0]])
-def test_step_attention_merges_decode_and_ragged_kernels(q_lens, caplog):
-    """The engine's one attention entry with the kernels (GPU interpreter): the leading one-row sequences through the
-    decode kernel, everything else (chunks, a one-row chunk after them, padding) through the ragged kernel; rows
-    merged by a select. Equals the reference for decode-only, mixed and padded batches."""
+def test_step_attention_merges_decode_and_ragged_kernels(q_lens, rows_max_t, caplog):
+    """The engine's one attention entry with the kernels (GPU interpreter). rows_max_t 0: the leading one-row
+    sequences through the decode kernel, everything else (chunks, a one-row chunk after them, padding) through the
+    ragged kernel, rows merged by a select; 64 (small steps): every row through the decode kernel as a one-query
+    sequence of its own (causal prefix lengths). Equals the reference for decode-only, mixed and padded batches,
+    and padding rows stay finite."""
     from pallas_kernels.paged_attention import step_attention
     from pallas_kernels.paged_attention.reference import paged_attention_reference
     rng = np.random.default_rng(len(q_lens) + sum(q_lens))
@@ -273,9 +276,10 @@ def test_step_attention_merges_decode_and_ragged_kernels(q_lens, caplog):
     q = jnp.asarray(rng.normal(size=(T, K * g, H)), jnp.bfloat16)
     want = paged_attention_reference(q, kv, bt, lens, cu)
     with caplog.at_level(logging.WARNING, logger="pallas_kernels.paged_attention"):
-        got = step_attention(q, kv, bt, lens, cu, impl="gpu_interpret")
+        got = step_attention(q, kv, bt, lens, cu, impl="gpu_interpret", rows_as_decodes_max_t=rows_max_t)
     assert not caplog.records, [r.getMessage() for r in caplog.records]      # the kernels ran, no fallback
     n = sum(q_lens)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n], atol=3e-2, rtol=0)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as pa
-from pallas_kernels.paged_attention import common, gpu, gpu_fp8, sparse
+from pallas_kernels.paged_attention import common, gpu, gpu_fp8, sparse, tuning
 from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_pool, random_ragged
 
 TOL = 2e-2  # bf16 probabilities in the PV matmul and a bf16 output
@@ -154,8 +154,12 @@ def test_gpu_ragged_matches_reference(dtype, g, kw):
 
 
 @pytest.mark.parametrize("converters", [0, 2])
-def test_gpu_sparse_decode_matches_reference_on_its_selection(monkeypatch, converters):
-  monkeypatch.setattr(gpu, "FP8_CONVERTERS", converters)  # sparse follows the module default
+def test_gpu_sparse_decode_matches_reference_on_its_selection(converters):
+  with tuning.override(fp8_converters=converters):  # sparse follows the tuning row
+    _sparse_decode_matches_reference()
+
+
+def _sparse_decode_matches_reference():
   rng, seed = fresh_rng()
   q, kv, bt, lens, sc = random_decode(rng, S=2, K=2, g=4, H=64, G=16, Pmax=14, dtype=jnp.float8_e4m3fn,
                                       lens=[220, 100])
@@ -196,8 +200,8 @@ def test_gpu_kernels_lower_for_cuda(dtype):
       assert "mosaic_gpu" in txt
   qT, cu = sd((300, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)
   _lower_cuda(lambda *a: gpu.paged_attention_gpu(*a, kv_scales_PK=sc, sliding_window=512), qT, kv, bt, lens, cu)
-  B = 20
-  phys, cnt = sd((S, K, B), jnp.int32), sd((S, K), jnp.int32)
+  U = 20
+  phys, cnt = sd((S, K, U), jnp.int32), sd((S, K), jnp.int32)
   _lower_cuda(lambda q, kv, p, l, c, lens: sparse._sparse_gpu(q, kv, p, l, c, lens, scale=None, soft_cap=None,
                                                               kv_scales_PK=sc, interpret=False),
               q, kv, phys, phys, cnt, lens)
@@ -463,7 +467,11 @@ def test_gpu_ragged_persistent_programs_loop_over_items(monkeypatch, dtype, kw):
   """The ragged grid is persistent: with one "SM" and one wave there are 2-3 programs per kv head, each looping
   over several work items (q tiles of several sequences, one tile shared by 3), reusing barriers and smem."""
   monkeypatch.setattr(gpu, "_num_sms", lambda: 1)
-  monkeypatch.setattr(gpu, "RAGGED_WAVES", 1)
+  with tuning.override(ragged_waves=1):
+    _ragged_persistent_programs(dtype, kw)
+
+
+def _ragged_persistent_programs(dtype, kw):
   rng, seed = fresh_rng()
   q_lens = [9, 1, 30, 0, 5, 1, 17]
   kv_lens = [9 + 20, 0, 30 + 3, 0, 5, 38, 17]
@@ -477,3 +485,22 @@ def test_gpu_ragged_persistent_programs_loop_over_items(monkeypatch, dtype, kw):
   ref = pa.paged_attention_reference(q, kv, bt, lens, cu, kv_scales_PK=sc, **kw)
   assert max_err(out, ref) < TOL, f"seed {seed}"
   assert np.all(np.asarray(out, np.float32)[np.asarray(cu)[1]] == 0)  # q_len 1 at kv_len 0
+
+
+def test_tuning_rows_are_data_and_override_is_scoped():
+  """The kernels' tuned defaults come from tuning.py's table (a row per device kind, "default" otherwise); an
+  override replaces fields inside its block only, and make_config reads the row in force when it is called."""
+  assert set(tuning.TABLE) >= {"default", "NVIDIA H200"}
+  base = tuning.current()
+  assert base == tuning.TABLE.get(jax.devices()[0].device_kind, tuning.TABLE["default"])
+  kw = dict(scale=1.0, soft_cap=None, sliding_window=None, out_dtype="bfloat16")
+  shape = ((4, 8, 64), (64, 16, 4, 64), jnp.float8_e4m3fn, 32)
+  with tuning.override(fp8_converters=0, work_list=True) as row:
+    assert row.fp8_converters == 0 and tuning.current() is row and row.split_policy == base.split_policy
+    inline = gpu.make_config(*shape, **kw)
+  assert tuning.current() == base
+  ws = gpu.make_config(*shape, **kw)
+  assert (inline.converters, ws.converters) == (0, base.fp8_converters)
+  with pytest.raises(TypeError):
+    with tuning.override(no_such_field=1):
+      pass

@@ -19,8 +19,8 @@ def fresh_rng():
 
 
 def oracle_ragged(q_TNH, kv_PGKH, bt_SP, lens_S, cu_S1, *, scale=None, soft_cap=None, window=None, scales_PK=None,
-                  logical_pages_SKB=None):
-  """float64 paged attention by loops. logical_pages_SKB (decode-only sparse): kv head k of sequence s only
+                  logical_pages_SKU=None):
+  """float64 paged attention by loops. logical_pages_SKU (decode-only sparse): kv head k of sequence s only
   sees the listed logical pages."""
   q = np.asarray(jnp.asarray(q_TNH, jnp.float32), np.float64)
   kv = np.asarray(jnp.asarray(kv_PGKH, jnp.float32), np.float64)
@@ -40,8 +40,8 @@ def oracle_ragged(q_TNH, kv_PGKH, bt_SP, lens_S, cu_S1, *, scale=None, soft_cap=
       for n in range(N):
         k = n // g
         js = [j for j in range(lens[s]) if j <= pos and (window is None or j > pos - window)]
-        if logical_pages_SKB is not None:
-          allowed = set(int(x) for x in np.asarray(logical_pages_SKB)[s, k])
+        if logical_pages_SKU is not None:
+          allowed = set(int(x) for x in np.asarray(logical_pages_SKU)[s, k])
           js = [j for j in js if j // G in allowed]
         if not js:
           continue
@@ -125,7 +125,7 @@ def test_oracle_single_key_returns_its_value():
 def test_oracle_equal_keys_average_values_and_window_limits():
   rng, seed = fresh_rng()
   G, K, H = 2, 1, 4
-  kv = rng.standard_normal((3, G, 2, H)).astype(np.float32)
+  kv = rng.standard_normal((3, G, 2 * K, H)).astype(np.float32)
   kv[:, :, 0] = 1.0  # all keys equal -> uniform weights
   q = np.ones((1, 1, H), np.float32)
   bt = np.array([[2, 0, 1]])

@@ -69,8 +69,8 @@ def test_tpu_kernels_export_for_tpu(dtype):
   assert "tpu_custom_call" in exp.mlir_module()
   qT, cu = sd((200, K * g, H), jnp.bfloat16), sd((S + 1,), jnp.int32)
   _export_tpu(lambda *a: tpu.paged_attention_tpu(*a[:5], kv_scales_PK=a[5]), qT, kv, bt, lens, cu, sc)
-  B = 16
-  phys, cnt = sd((S, K, B), jnp.int32), sd((S, K), jnp.int32)
+  U = 16
+  phys, cnt = sd((S, K, U), jnp.int32), sd((S, K), jnp.int32)
   _export_tpu(lambda q, kv, p, lens, sc, c, l: tpu.decode_core(q, kv, p, lens, sc, c, l),
               q, kv, phys, lens, sc, cnt, phys)
 

@@ -6,8 +6,8 @@
 2. The kernel count: the engine's step program (ModelRunner, one ragged program per token bucket) for a
    Llama-3.1-8B decode batch of 32 x 1k (token bucket 32, 32 sequence slots, 64-page block tables; 3 layers, the
    last whole layer is the steady state) compiled for an sm_90 GPU WITHOUT a GPU: 4 GEMMs and no separate norm
-   kernel per layer with folded norms, and at most 10 kernels per layer (reached before the one-program rewrite;
-   the rewritten step has more, see the xfail). Needs the CUDA 12 PJRT plugin (not a tbjax dependency):
+   kernel per layer with folded norms, and at most 10 kernels per layer (one attention launch: a decode-only step
+   runs every row through the decode kernel). Needs the CUDA 12 PJRT plugin (not a tbjax dependency):
        pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
    ($TBJAX_CUDA12_PLUGIN_DIR, default /tmp/cuda12plugin); skipped, saying so, without it. The compile runs in
    scripts/gpu_hlo_decode.py (a subprocess, so the plugin never loads into the test process).
@@ -238,11 +238,10 @@ def test_decode_step_layer_kinds_on_gpu(folded_decode_step):
     assert 1 <= kinds.get("attention (Mosaic GPU custom call)", 0) <= 2, (kinds, _schedule(r))
 
 
-@pytest.mark.xfail(strict=True, reason="the one-program engine step runs step_attention's decode AND ragged Mosaic "
-                   "kernels in every decode step (the ragged one at kv length 0), plus the ragged kernel's q "
-                   "transpose and output select and the scatter merging both outputs: 14 kernels per steady-state "
-                   "layer at the runner rewrite (f0b1ac7), 10 before")
 def test_decode_step_kernels_per_layer_on_gpu(folded_decode_step):
+    """A decode-only step is one attention launch per layer (step_attention sends every row of a small step through
+    the decode kernel): the layer's kernel count stays at the bound it had before the one-program step (the step
+    with both kernels, a q transpose, a select and a scatter had 14)."""
     r = folded_decode_step
     assert r["kernels_per_layer"] <= MAX_KERNELS_PER_LAYER, \
         f"{r['kernels_per_layer']} kernels per decode layer (at most {MAX_KERNELS_PER_LAYER}): {r['kinds_per_layer']}" \

@@ -2,6 +2,7 @@
 
 Every loader is checked against transformers' logits (tests/data), not against another tbjax output.
 """
+import functools
 import json
 import os
 
@@ -18,8 +19,14 @@ from tbjax.weights import WeightLoadError, checkpoint, convert, load_model, load
 from tbjax.weights.safetensors_dir import HF_NAMES
 
 
+@functools.lru_cache(maxsize=None)
+def _forward(spec):
+    """One jitted forward per spec (equal specs share it and its compiled programs)."""
+    return jax.jit(lambda p, t: forward_dense(p, spec, t)[0])
+
+
 def _last_logits(spec, params, ids):
-    return np.asarray(jax.jit(lambda p, t: forward_dense(p, spec, t)[0])(params, jnp.asarray(ids))[-1])
+    return np.asarray(_forward(spec)(params, jnp.asarray(ids))[-1])
 
 
 def _assert_matches_hf(spec, params, hf_ref):
@@ -139,6 +146,24 @@ def test_orbax_roundtrip_onto_a_different_mesh(tmp_path, smollm_f32, hf_ref):
     w = params2["groups"]["gqa_dense"]["w_gate_up"]
     assert w.sharding == shardings["groups"]["gqa_dense"]["w_gate_up"]
     assert {s.data.shape for s in w.addressable_shards} == {(30, 576, 2, 1536 // 4)}
-    _assert_matches_hf(spec2, jax.device_put(params2, NamedSharding(mesh, P())), hf_ref)
+    # the restored values, gathered to the host, give transformers' logits
+    _assert_matches_hf(spec2, jax.tree.map(np.asarray, params2), hf_ref)
     with pytest.raises(WeightLoadError, match="not a tbjax checkpoint"):
         checkpoint.restore(str(tmp_path))
+
+
+def test_convert_first_layers_keeps_the_models_own_weights(tmp_path, smollm_f32):
+    """convert(..., layers=4): a checkpoint of the default model's first 4 layers; every tensor equals the full
+    model's (its first 4 entries for the stacked layer weights), the tokenizer is the model's."""
+    from tbjax.model.params import first_layers
+    spec, params, tok = smollm_f32
+    dst = convert(None, str(tmp_path / "small"), dtype="float32", progress=False, layers=4)
+    spec4, params4, tok4 = load_model(dst, progress=False)
+    assert spec4 == spec.replace(n_layers=4)
+    for name, full in params["groups"]["gqa_dense"].items():
+        np.testing.assert_array_equal(np.asarray(params4["groups"]["gqa_dense"][name]), np.asarray(full)[:4])
+    for name in ("embed", "final_norm"):
+        np.testing.assert_array_equal(np.asarray(params4[name]), np.asarray(params[name]))
+    assert tok4.encode("Hello, world!") == tok.encode("Hello, world!") and tok4.eos_token_ids == tok.eos_token_ids
+    with pytest.raises(ValueError, match="n=31"):
+        first_layers(spec, params, 31)

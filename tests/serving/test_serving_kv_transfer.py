@@ -457,7 +457,7 @@ def test_landing_program_views_bytes_and_checksums_every_chunk():
     pages = random_pages(7, np.random.default_rng())
     u8 = np.zeros(8 * pages[0].nbytes, np.uint8)
     u8[:pages.nbytes] = pages.view(np.uint8).reshape(-1)
-    rows, ab = kv_shm._land_fn()(jax.numpy.asarray(u8), np.int32(7), B=8, dtype=DTYPE, row_shape=PAGE_SHAPE,
+    rows, ab = kv_shm._land_fn()(jax.numpy.asarray(u8), np.int32(7), X=8, dtype=DTYPE, row_shape=PAGE_SHAPE,
                                  chunk_pages=4)
     assert rows.shape == (8, *PAGE_SHAPE) and np.array_equal(np.asarray(rows)[:7].view(np.uint16), pages.view(np.uint16))
     assert kv_shm._sums_by_first(ab, 7, 4) == {0: checksum_reference(pages[:4]), 4: checksum_reference(pages[4:])}

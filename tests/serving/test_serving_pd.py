@@ -1,5 +1,7 @@
-"""Prefill/decode disaggregation end to end on CPU with the real default model over real gRPC on loopback: three
-processes (`python -m tbjax.serve --role prefill|decode|router`). Streamed greedy output through the router equals
+"""Prefill/decode disaggregation end to end on CPU with a real model over real gRPC on loopback: three processes
+(`python -m tbjax.serve --role prefill|decode|router`). The model is the default model's first 4 layers (its own
+weights as the GGUF holds them, tokenizer and layer kind: `tbjax.weights.convert(layers=4)`), so that five server
+processes and the references compile small programs; the comparisons do not depend on the depth. Streamed greedy output through the router equals
 colocated `tbjax.LLM` output (token ids and text), and both workers end with every KV page free. Fault: the prefill
 process is killed mid-transfer (a test hook makes it hang after one KV chunk): the client gets UNAVAILABLE, the decode
 worker frees its reservation within the KV timeout, and its allocator is full again."""
@@ -26,6 +28,7 @@ from tbjax.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-pages", "256"]   # as the e2e test
+LAYERS = 4
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village, there lived an old man who"]
 N_TOK = 8
 KV_TIMEOUT = 4.0
@@ -75,22 +78,31 @@ def _stats(target):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    pre = _start("prefill", *ENGINE, "--kv-chunk-pages", "1",
+def small_model(tmp_path_factory):
+    from tbjax.weights import convert
+    return convert(None, str(tmp_path_factory.mktemp("pd") / f"smollm2-{LAYERS}-layers"), progress=False,
+                   layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def cluster(small_model):
+    engine = [*ENGINE, "--model", small_model]
+    pre = _start("prefill", *engine, "--kv-chunk-pages", "1",
                  env={SENDER_FACTORY_ENV: "serving.testing:stalling_sender", STALL_PREFIX_ENV: "stall-"})
-    dec = _start("decode", *ENGINE, "--kv-timeout", str(KV_TIMEOUT))
+    dec = _start("decode", *engine, "--kv-timeout", str(KV_TIMEOUT))
     procs = [pre, dec]
     try:
         p_addr, d_addr = _address(pre), _address(dec)
         router = _start("router", "--prefill-workers", p_addr, "--decode-workers", d_addr, "--worker-timeout", "120")
         procs.append(router)
         # the colocated reference, computed here while the workers load
-        llm = tbjax.LLM(progress=False, max_num_seqs=8, max_num_batched_tokens=256, num_pages=256)
+        llm = tbjax.LLM(small_model, progress=False, max_num_seqs=8, max_num_batched_tokens=256, num_pages=256)
         # one prompt at a time, as they are sent: bf16 near-ties may flip with the batch's composition
         ref = [llm.generate([p], [SamplingParams.greedy(N_TOK)])[0] for p in PROMPTS]
         r_addr = _address(router)
         with Client(r_addr, timeout=300) as c:
-            yield dict(pre=pre, dec=dec, router=router, p_addr=p_addr, d_addr=d_addr, client=c, ref=ref, llm=llm)
+            yield dict(pre=pre, dec=dec, router=router, p_addr=p_addr, d_addr=d_addr, client=c, ref=ref, llm=llm,
+                       engine=engine)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -148,7 +160,7 @@ def test_killed_prefill_mid_transfer_frees_the_reservation(cluster):
 
 def test_split_role_serves_prefill_and_decode_on_disjoint_devices_in_one_process(cluster):
     """`--role split`: router + prefill worker + decode worker in one process, engines on devices 0 and N/2."""
-    with _served("split", *ENGINE) as addr, Client(addr, timeout=300) as c:
+    with _served("split", *cluster["engine"]) as addr, Client(addr, timeout=300) as c:
         for prompt, want in zip(PROMPTS, cluster["ref"]):
             chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
             assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
@@ -181,9 +193,10 @@ def _pipeline_reference(llm, prompt):
 def test_split_role_with_a_pipeline_parallel_prefill(cluster):
     """`--role split --pp 2`: the prefill worker is a 2-stage pipeline (devices 0-1, layers split by FLOPs), the
     decode engine on device 2. The stream equals the same pipeline + decode engine driven in-process, and its first
-    token equals colocated (the pipeline's numerics are checked against recompute in test_prefill_pipeline.py)."""
+    token equals colocated (the pipeline's numerics are checked against recompute, and its warm-up,
+    in test_prefill_pipeline.py; here no --warmup: the test needs two of its programs, not all)."""
     refs = [_pipeline_reference(cluster["llm"], prompt) for prompt in PROMPTS]
-    with _served("split", *ENGINE, "--pp", "2", "--warmup") as addr, Client(addr, timeout=300) as c:
+    with _served("split", *cluster["engine"], "--pp", "2", "--no-warmup") as addr, Client(addr, timeout=300) as c:
         for prompt, want, colo in zip(PROMPTS, refs, cluster["ref"]):
             chunks = list(c.generate_stream(prompt, max_tokens=N_TOK, temperature=0))
             got = [t for ch in chunks for t in ch.token_ids]

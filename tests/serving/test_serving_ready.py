@@ -26,7 +26,7 @@ from serving.server import ServerThread
 from tbjax import compile_monitor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WARMUP_S = 1.5
+WARMUP_S = 4.0   # the warm-up the tests' refusals must land inside
 
 
 def _metrics(port) -> dict:
@@ -39,13 +39,14 @@ def _metrics(port) -> dict:
     return vals
 
 
-def _refused_while_warming(c: Client) -> str:
-    """Generate during the warm-up: UNAVAILABLE, at once (returns its message)."""
-    t0 = time.perf_counter()
+def _refused_while_warming(c: Client, still_warming) -> str:
+    """Generate during the warm-up: UNAVAILABLE while the warm-up still runs (returns its message). The answer is
+    checked against the server's own state, not a wall-clock bound: `still_warming()` is asked after the answer came,
+    so a request queued behind the warm-up (answered only once it ended) fails however fast or slow the box is."""
     with pytest.raises(grpc.RpcError) as e:
         c.generate(token_ids=[5, 6], max_tokens=3, temperature=0)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
-    assert time.perf_counter() - t0 < 0.5 * WARMUP_S    # refused, not queued behind the warm-up
+    assert still_warming(), "the refusal came only after the warm-up had ended: it was queued behind it"
     return e.value.details()
 
 
@@ -60,7 +61,7 @@ def test_not_serving_and_unavailable_during_warmup_then_serving(in_child):
     try:
         with Client(st.address, timeout=30) as c:
             assert c.health() == "NOT_SERVING" and c.health("tbjax.v1.Tbjax") == "NOT_SERVING"
-            msg = _refused_while_warming(c)
+            msg = _refused_while_warming(c, lambda: not st.server.ready)
             assert "warming up" in msg and "SERVING" in msg, msg
             assert c.model_info()["model"] == "fake"          # no engine involved: answers meanwhile
             m = _metrics(st.server.bound_metrics_port)
@@ -185,7 +186,7 @@ def test_serve_cli_prints_serving_only_after_the_warmup(extra):
         with Client(target, timeout=30) as c:
             # NOT_SERVING while warming up (with an engine process the child may still be loading: same answer)
             assert c.health() == "NOT_SERVING" and c.health("tbjax.v1.Tbjax") == "NOT_SERVING"
-            assert "warming up" in _refused_while_warming(c)
+            assert "warming up" in _refused_while_warming(c, lambda: _metrics(m.group(3))["tbjax_ready"] == 0)
             assert _metrics(m.group(3))["tbjax_ready"] == 0
             assert select.select([p.stdout], [], [], 0)[0] == []    # no serving line yet
             line = p.stdout.readline()
@@ -223,11 +224,10 @@ def test_worker_rpcs_are_refused_while_warming_not_queued(monkeypatch):
         with grpc.insecure_channel(st.address) as ch:
             rpc = ch.unary_unary(f"/{PD_SERVICE}/Stats", request_serializer=lambda b: b,
                                  response_deserializer=lambda b: b)
-            t0 = time.perf_counter()
             with pytest.raises(grpc.RpcError) as e:
                 rpc(b"{}", timeout=30)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in e.value.details()
-            assert time.perf_counter() - t0 < 0.5 * WARMUP_S
+            assert not st.server.ready    # answered while the warm-up ran, not queued behind it
             st.wait_ready(60)
             assert json.loads(rpc(b"{}", timeout=30))["unfinished"] is False
     finally:

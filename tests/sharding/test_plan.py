@@ -59,7 +59,7 @@ def test_released_bytes_per_device(dp):
         p = pl.plan(spec, {"dp": dp})
         layer = pl.attention_layout(spec).padded_bytes(1)
         repl, sh = p["columns"]["replicated"]["attention"], p["columns"]["dp_sharded"]["attention"]
-        assert repl == spec.n_layers * layer
+        assert repl == pl.weight_bytes(spec)["attention"]            # resident as the checkpoint holds it
         # 1/dp of every layer plus two gathered layers, up to alignment padding (256 bytes per shard)
         ideal = spec.n_layers * layer / dp + 2 * layer
         assert ideal <= sh <= ideal + spec.n_layers * 256 + 2 * dp * 256
@@ -69,6 +69,32 @@ def test_released_bytes_per_device(dp):
         assert p["columns"]["dp_sharded"]["max_batch_per_device"] >= p["columns"]["replicated"]["max_batch_per_device"]
     table = pl.release_table({"DeepSeek-V3": ModelSpec.from_hf_config(DS)}, (dp,))
     assert f"| DeepSeek-V3 | fp8 | 187.1M x 61 | {dp} | 10.63 GiB |" in table
+
+
+HF_MOE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "hf_moe")
+
+
+@pytest.mark.parametrize("model", ["llama", "llama-tied", "deepseek_v3", "mixtral", "qwen3_moe"])
+def test_quantized_weight_bytes_equal_the_quantized_tree(model):
+    """Planned bytes per resident format = the bytes of the model's parameter tree actually quantized to it
+    (quant.quantize_tree on real arrays: codes, scales, zeros); the float planner = the float tree."""
+    import jax
+
+    from engine_helpers import tiny_spec
+    from tbjax.model import init_params
+    from tbjax.model import quant as qz
+    if model.startswith("llama"):
+        spec = tiny_spec(d_model=96, ffn_dim=80, vocab_size=200, tie_embeddings=model == "llama-tied",
+                         dtype="bfloat16")
+    else:
+        spec = ModelSpec.from_hf_config(os.path.join(HF_MOE, model, "config.json"))
+    params = init_params(spec, jax.random.key(0))
+    assert sum(pl.weight_bytes(spec, spec.dtype).values()) == qz.resident_bytes(params)["total"]
+    for fmt in ("int8", "int4", "fp8"):
+        got = pl.weight_bytes(spec, fmt)
+        want = qz.resident_bytes(qz.quantize_tree(params, fmt))
+        assert sum(got.values()) == want["total"], (fmt, got, want)
+        assert want[fmt] > 0
 
 
 def test_plan_composition_and_kv():

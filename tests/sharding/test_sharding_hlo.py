@@ -29,7 +29,7 @@ import gpu_hlo_overlap as gho  # noqa: E402
 
 PLUGIN = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
 HAVE_PLUGIN = os.path.isdir(os.path.join(PLUGIN, "jax_plugins", "xla_cuda12"))
-N_LAYERS = 5
+N_LAYERS = 4
 
 # ---- the analysis on handcrafted unrolled programs -----------------------------------------------------------------
 # Three layers, packed buffer u8[3, 256] (8 shards: a gathered layer is u8[2048]); attention = a while loop whose

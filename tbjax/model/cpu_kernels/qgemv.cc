@@ -27,6 +27,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kTile = 64;
+// A tile walks down the rows of its column slice (one cache line per row, a large stride): the hardware prefetcher
+// kept up poorly with that (576 x 3072 int4 streamed at 3.4 GB/s against 6.8 for 1536 x 576), so each row asks for the
+// line this many rows ahead.
+constexpr int64_t kPrefetchRows = 16;
 constexpr int kMaxT = 8;
 
 inline float bf16_to_f32(uint16_t h) {
@@ -95,6 +99,7 @@ void cols_int4_tile(const float* x, const float* xs, const uint8_t* q, int64_t D
       for (int i = 0; i < kTile; ++i) gl[t][i] = gh[t][i] = 0.f;
     for (int64_t d = g * group; d < (g + 1) * group; ++d) {
       const uint8_t* row = q + d * C + qcol;
+      if (d + kPrefetchRows < D) __builtin_prefetch(row + kPrefetchRows * C);
       float xv[T];
       for (int t = 0; t < T; ++t) xv[t] = x[t * D + d];
 #pragma GCC ivdep
@@ -136,6 +141,7 @@ void cols_int8_tile(const float* x, const float* xs, const int8_t* q, int64_t D,
       for (int i = 0; i < kTile; ++i) ga[t][i] = 0.f;
     for (int64_t d = g * group; d < (g + 1) * group; ++d) {
       const int8_t* row = q + d * N + col;
+      if (d + kPrefetchRows < D) __builtin_prefetch(row + kPrefetchRows * N);
       float xv[T];
       for (int t = 0; t < T; ++t) xv[t] = x[t * D + d];
 #pragma GCC ivdep

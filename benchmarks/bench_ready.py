@@ -122,9 +122,15 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
            "--max-num-seqs", str(args.serve_max_num_seqs)] + args.serve_args.split()
     res = {"label": label, "cmd": " ".join(cmd[1:])}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    err_f = tempfile.TemporaryFile("w+")     # the server's stderr (its start-up lines go into the result)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_f, text=True, env=env, cwd=REPO)
     addr = metrics_port = None
     err_lines: list[str] = []
+
+    def stderr_lines(n: int) -> list[str]:
+        err_f.flush()
+        err_f.seek(0)
+        return err_f.read().splitlines()[-n:]
     try:
         deadline = t0 + args.t_serve
         while time.perf_counter() < deadline:
@@ -142,7 +148,8 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
                 break
         if addr is None:
             proc.kill()
-            err_lines = proc.stderr.read().splitlines()[-30:]
+            proc.wait()
+            err_lines = stderr_lines(30)
             res["error"] = "no serving line" + (f" (exit {proc.returncode})" if proc.returncode is not None else "")
             res["stderr_tail"] = "\n".join(err_lines)
             return res
@@ -159,6 +166,7 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
             time.sleep(0.05)
         if metrics_port:
             res["compiles_at_ready"] = _metric(metrics_port, "tbjax_xla_compiles_total")
+        res["startup_lines"] = [ln for ln in stderr_lines(200) if ln.startswith("tbjax:")][:20]
         if load:
             res["passes"] = []
             for i in range(args.load_passes):
@@ -195,6 +203,7 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        err_f.close()
 
 
 def main(argv=None) -> int:

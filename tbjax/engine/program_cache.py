@@ -12,10 +12,11 @@ under the same keys (which hold the device ids), so a second engine with the sam
 `LLM` made again in a notebook, tests) runs the first one's executables instead of compiling them again. The
 parameters and KV pools are arguments of the programs, never constants in them.
 
-Saving to disk is opt-in (TBJAX_PROGRAM_CACHE=1): on the H200 a warm start loaded the saved programs (10.8 s to
-ready), but serving under load after such a start has not been checked there; and on XLA:CPU a process that loaded
-saved programs and then compiled a new one failed running a step ("Function wrapped_iota not found", jax 0.11.2), while loading a complete
-set, or compiling a corrupt file's program again, worked. Only single-device meshes: deserializing an executable for
+Saving to disk is on by default on accelerators and off on CPU (TBJAX_PROGRAM_CACHE=1 forces it on, =0 off): on the
+H200 a warm start that loaded the saved programs was ready in 10.8 s instead of 19.3 s (benchmarks/RESULTS.md); on
+XLA:CPU a process that loaded saved programs and then compiled a new one failed running a step ("Function
+wrapped_iota not found", jax 0.11.2), while loading a complete set, or compiling a corrupt file's program again,
+worked. Only single-device meshes: deserializing an executable for
 a subset of the process's devices aborts inside XLA ("num_shards == xla_hlo_sharding.num_devices()"); meshes keep
 JAX's persistent cache. The programs live beside JAX's cache (`<jax cache dir>/tbjax-programs`) and follow its switch
 (TBJAX_COMPILE_CACHE=0: off).
@@ -66,11 +67,18 @@ def shared_clear() -> None:
 
 def cache_dir() -> str | None:
     """Where programs are saved, or None when caching is off (no JAX cache dir configured, or it is disabled)."""
-    if os.environ.get("TBJAX_PROGRAM_CACHE", "0") != "1" or os.environ.get("TBJAX_COMPILE_CACHE") == "0" \
-            or not jax.config.jax_enable_compilation_cache:
+    if not enabled() or os.environ.get("TBJAX_COMPILE_CACHE") == "0" or not jax.config.jax_enable_compilation_cache:
         return None
     base = jax.config.jax_compilation_cache_dir
     return os.path.join(base, "tbjax-programs") if base else None
+
+
+def enabled() -> bool:
+    """TBJAX_PROGRAM_CACHE: "1" on, "0" off, unset or "auto": on unless the default backend is the CPU."""
+    v = os.environ.get("TBJAX_PROGRAM_CACHE", "auto").strip().lower()
+    if v not in ("0", "1", "auto", ""):
+        raise ValueError(f"TBJAX_PROGRAM_CACHE must be 0, 1 or auto, got {v!r}")
+    return v == "1" or (v in ("auto", "") and jax.default_backend() != "cpu")
 
 
 @functools.lru_cache(maxsize=1)

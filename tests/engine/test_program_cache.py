@@ -78,7 +78,17 @@ def test_quantized_weights_have_program_keys_and_load(tmp_path):
     assert second["compiles"] <= 1 < first["programs"] and second["tokens"] == first["tokens"]
 
 
-def test_program_cache_is_off_unless_asked(tmp_path, monkeypatch):
+def test_program_cache_default_follows_the_backend(tmp_path, monkeypatch):
+    """Unset: off on CPU (the tests' backend), on elsewhere; "1" forces it on, "0" off, anything else is refused."""
+    import jax
+    import pytest
     from tbjax.engine import program_cache
     monkeypatch.delenv("TBJAX_PROGRAM_CACHE", raising=False)
-    assert program_cache.cache_dir() is None
+    assert jax.default_backend() == "cpu" and program_cache.cache_dir() is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert program_cache.enabled()
+    monkeypatch.setenv("TBJAX_PROGRAM_CACHE", "0")
+    assert not program_cache.enabled()
+    monkeypatch.setenv("TBJAX_PROGRAM_CACHE", "yes")
+    with pytest.raises(ValueError, match="TBJAX_PROGRAM_CACHE"):
+        program_cache.enabled()

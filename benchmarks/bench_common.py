@@ -62,3 +62,29 @@ def compile_timer() -> dict:
             acc[_EVENTS[event]] += duration
     jax.monitoring.register_event_duration_secs_listener(_listen)
     return acc
+
+
+def run_json_worker(cmd, timeout: float, mark: str, *, cwd=None, env=None, stderr_on_success: bool = False) -> dict:
+    """Run a worker process; return the last JSON it printed after `mark` (partial results survive a timeout or a
+    crash), with worker_status, worker_wall_s and stderr_tail (on failure; also on success with
+    `stderr_on_success`, its last lines)."""
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+    try:
+        out, err = p.communicate(timeout=max(timeout, 1))
+        status = f"exit {p.returncode}"
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        status = f"killed after {timeout:.0f}s (its time limit)"
+    last = {}
+    for line in out.splitlines():
+        if line.startswith(mark):
+            last = json.loads(line[len(mark):])
+    last["worker_status"] = status
+    last["worker_wall_s"] = time.time() - t0
+    if p.returncode:
+        last["stderr_tail"] = err[-3000:]
+    elif stderr_on_success:
+        last["stderr_tail"] = "\n".join(err.splitlines()[-12:])[-1500:]
+    return last

@@ -37,12 +37,11 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit, write_json  # noqa: E402
+from bench_common import git_commit, run_json_worker, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -616,26 +615,7 @@ def hf_worker(args) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 def _subprocess_json(cmd, timeout, env=None) -> dict:
     """Runs a worker; returns the last JSON it printed (partial results survive a timeout or a crash)."""
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    try:
-        out, err = p.communicate(timeout=max(timeout, 1))
-        status = f"exit {p.returncode}"
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        status = f"killed after {timeout:.0f}s"
-    last = {}
-    for line in out.splitlines():
-        if line.startswith(MARK):
-            last = json.loads(line[len(MARK):])
-    last["worker_status"] = status
-    last["worker_wall_s"] = time.time() - t0
-    if p.returncode:
-        last["stderr_tail"] = err[-3000:]
-    else:
-        last["stderr_tail"] = "\n".join(err.splitlines()[-12:])[-1500:]
-    return last
+    return run_json_worker(cmd, timeout, MARK, cwd=REPO, env=env, stderr_on_success=True)
 
 
 def summarize(res: dict) -> str:

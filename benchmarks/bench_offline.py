@@ -55,7 +55,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_common import git_commit, write_json  # noqa: E402
+from bench_common import git_commit, run_json_worker, write_json  # noqa: E402
 
 CONFIG_DIR = os.path.join(HERE, "configs")
 MARK = "OFFLINERESULT "
@@ -471,24 +471,7 @@ def hf_worker(args) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 def run_worker(cmd, timeout: float, env=None) -> dict:
     """Runs one worker; returns the last JSON it printed (a timeout or a crash keeps the partial result)."""
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    try:
-        out, err = p.communicate(timeout=max(timeout, 1))
-        status = f"exit {p.returncode}"
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        status = f"killed after {timeout:.0f}s (its time limit)"
-    last = {}
-    for line in out.splitlines():
-        if line.startswith(MARK):
-            last = json.loads(line[len(MARK):])
-    last["worker_status"] = status
-    last["worker_wall_s"] = time.time() - t0
-    if p.returncode:
-        last["stderr_tail"] = err[-3000:]
-    return last
+    return run_json_worker(cmd, timeout, MARK, cwd=REPO, env=env)
 
 
 def _steady(v: dict) -> list[dict]:

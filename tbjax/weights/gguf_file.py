@@ -97,33 +97,49 @@ def host_quant(t) -> "HostQuant | None":
 
 
 class GGUFFile:
+    """One GGUF file: its metadata and tensor table, parsed by `gguf.GGUFReader` once and then read from the saved
+    index (tbjax/weights/gguf_index.py) while the file is unchanged."""
+
     def __init__(self, path: str | os.PathLike):
-        import gguf
+        from tbjax.weights import gguf_index
 
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise WeightLoadError(f"no GGUF file at {self.path}")
-        try:
-            self.reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError on bad files
-            raise WeightLoadError(f"{self.path}: not a readable GGUF file (truncated or corrupt?): "
-                                  f"{type(e).__name__}: {e}") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        for t in self.reader.tensors:
+        cached = gguf_index.load(self.path)
+        if cached is not None:
+            self._meta, tensors = cached
+        else:
+            self._meta, tensors = self._parse()
+        self.tensors = {t.name: t for t in tensors}
+        for t in tensors:
             need = int(t.n_bytes)
             if t.data.nbytes != need:
                 raise WeightLoadError(f"{self.path}: tensor {t.name} holds {t.data.nbytes} bytes, expected {need} "
                                       "(file truncated or corrupt)")
+        if cached is None:
+            gguf_index.save(self.path, self._meta, tensors)
 
-    def metadata(self) -> dict:
+    def _parse(self):
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError on bad files
+            raise WeightLoadError(f"{self.path}: not a readable GGUF file (truncated or corrupt?): "
+                                  f"{type(e).__name__}: {e}") from None
         meta = {}
-        for k, f in self.reader.fields.items():
+        for k, f in reader.fields.items():
             if k.startswith("GGUF."):
                 continue
             try:
                 meta[k] = f.contents()
             except Exception as e:
                 raise WeightLoadError(f"{self.path}: unreadable metadata field {k!r}: {e}") from None
+        return meta, list(reader.tensors)
+
+    def metadata(self) -> dict:
+        meta = dict(self._meta)
         meta["_tbjax.tied_embeddings"] = "output.weight" not in self.tensors
         return meta
 

@@ -116,7 +116,9 @@ def _metric(port: int, name: str) -> float | None:
 
 def _serve(args, cache_dir, label, load: bool) -> dict:
     """Start the server, time it to ready; optionally run the load passes against it; stop it."""
-    env = dict(os.environ, TBJAX_COMPILE_CACHE=cache_dir, PYTHONUNBUFFERED="1")
+    # the GGUF header index lives beside the compile cache, so "cold" parses the file and "warm" maps it
+    env = dict(os.environ, TBJAX_COMPILE_CACHE=cache_dir, TBJAX_GGUF_INDEX=os.path.join(cache_dir, "gguf-index"),
+               PYTHONUNBUFFERED="1")
     model = [] if args.serve_model == "default" else ["--model", args.serve_model]
     cmd = [sys.executable, "-m", "tbjax.serve", *model, "--port", "0", "--metrics-port", "0",
            "--max-num-seqs", str(args.serve_max_num_seqs)] + args.serve_args.split()

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                          "the programs it uses)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
-    os.environ["JAX_PLATFORMS"] = a.platform
+    os.environ["JAX_PLATFORMS"] = {"gpu": "cuda"}.get(a.platform, a.platform)   # "gpu" would also try rocm
     import jax
 
     from tbjax.plan import draft_kv_bytes

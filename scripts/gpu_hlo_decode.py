@@ -178,6 +178,9 @@ def analyse(hlo: str, n_layers: int) -> dict:
     return {"kernels_per_layer": counts[-1] if counts else None, "layer_counts": counts,
             "kinds_per_layer": dict(sorted(kinds.items())), "sources_per_layer": dict(sorted(srcs.items())),
             "total_kernels": len(ks),
+            # entry-level control flow: XLA:GPU copies a conditional's predicate (and a while loop's condition,
+            # unless its trip count is known) to the host and waits, which blocks the step's dispatch
+            "control_flow": [{x: k[x] for x in ("name", "op", "src")} for k in ks if k["op"] in ("while", "conditional")],
             "layers": [[{x: k[x] for x in ("name", "kind", "params", "shape", "src")} for k in L] for L in layers],
             "head": [{x: k[x] for x in ("name", "kind", "params")} for k in head],
             "tail": [{x: k[x] for x in ("name", "kind", "params")} for k in tail]}

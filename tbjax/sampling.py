@@ -138,9 +138,49 @@ def _choose(s_sorted_BC, ids_BC, lse_B1, gumbel_BV, top_k_B, top_p_B, min_p_B):
     return jnp.take_along_axis(ids_BC, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("candidates",))
+def _order_u32(x):
+    """uint32 keys in the order of the float32 values (larger value, larger key; -0.0 just below +0.0)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B):
+    """The tokens top-k / top-p / min-p keep, without a sort and without a runtime branch: the same rule as
+    `_keep_sorted` over the order (value descending, id ascending). A token is kept iff the tokens before it in that
+    order number fewer than top_k and weigh less than top_p; that holds for a prefix of the order, so it is found as
+    the smallest value whose first token is kept, on the values' uint32 keys four bits at a time (8 rounds, each one
+    [B, 15, V] masked count and sum); ties at that value are resolved in id order by an exclusive prefix sum."""
+    B, V = scaled_BV.shape
+    p = jnp.exp(scaled_BV - lse_B1)
+    u = _order_u32(scaled_BV)
+    k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V).astype(jnp.int32)
+
+    def dropped(v_BD):                   # is the first token of value v (in id order) dropped? monotone: falls with v
+        above = u[:, None, :] > v_BD[:, :, None]
+        n = jnp.sum(above, axis=-1, dtype=jnp.int32)
+        m = jnp.sum(jnp.where(above, p[:, None, :], 0.0), axis=-1)
+        return (n >= k[:, None]) | (m >= top_p_B[:, None])
+    # the largest v whose first token is dropped (v = 0 is: all V tokens lie above it), built from the top digit down
+    last = jnp.zeros((B,), jnp.uint32)
+    digits = jnp.arange(1, 16, dtype=jnp.uint32)
+    for shift in range(28, -1, -4):      # unrolled: a while loop's condition would be a device-to-host copy on GPU
+        t_BD = last[:, None] + (digits[None, :] << shift)
+        d = jnp.sum(dropped(t_BD), axis=-1, dtype=jnp.uint32)     # dropped for digits 1..d (monotone)
+        last = last + (d << shift)
+    v = (last + 1)[:, None]              # the smallest value whose first token is kept
+    above, tie = u > v, u == v
+    n_before = jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32) + jnp.cumsum(tie, axis=-1, dtype=jnp.int32) - tie
+    pt = jnp.where(tie, p, 0.0)
+    m_before = jnp.sum(jnp.where(above, p, 0.0), axis=-1, keepdims=True) + jnp.cumsum(pt, axis=-1) - pt
+    keep = above | (tie & (n_before < k[:, None]) & (m_before < top_p_B[:, None]))
+    keep &= p >= min_p_B[:, None] * jnp.max(p, axis=-1, keepdims=True)
+    first = jnp.argmax(scaled_BV, axis=-1)
+    return keep | (jnp.arange(V)[None, :] == first[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("candidates", "branchless"))
 def sample(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position_B, *,
-           candidates: int = SAMPLE_CANDIDATES):
+           candidates: int = SAMPLE_CANDIDATES, branchless: bool = False):
     """Returns (token_B int32, logprobs_BV float32 of the unmodified distribution).
 
     temperature 0 => argmax. top_k 0 => off. The PRNG key of row b is fold_in(key(seed_b), position_b).
@@ -148,12 +188,27 @@ def sample(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seed_B, position
     (lax.top_k) decide whenever they provably hold every token the filters keep (top_k <= candidates, or the
     candidates' mass reaches top_p, or min_p cuts inside them); only then is the [B, V] sort skipped. Both paths
     give the same token for the same key. candidates=0 always sorts.
+
+    branchless=True (the engine's choice on GPU): no runtime branch at all. XLA:GPU runs a conditional by copying
+    its predicate to the host and waiting for the stream, so a step program holding one blocks its own dispatch
+    until the device reaches the sampler, and the host cannot prepare the next step meanwhile. Every row is then
+    sampled from the kept set of `_keep_by_threshold` (the same rule, found without a sort; the same Gumbel noise,
+    so the same token as the sorted path unless float rounding moves a token at the top-p boundary).
     """
     logits = logits_BV.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     B, V = logits.shape
     C = min(candidates, V)
+    if branchless:
+        t = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+        scaled = logits / t
+        lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+        keys = jax.vmap(_row_key)(seed_B, position_B)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        keep = _keep_by_threshold(scaled, lse, top_k_B, top_p_B, min_p_B)
+        sampled_tok = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+        return jnp.where(temperature_B > 0, sampled_tok, greedy_tok), logprobs
 
     def sampled():
         t = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]

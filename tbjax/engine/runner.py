@@ -168,6 +168,7 @@ class _StepStatic:
     attn_impl: str
     kernel_impl: str | None               # decode matmul kernel for this bucket, or None (XLA dots)
     spec_role: str | None = None          # speculative decoding: "target" (verifies drafts), "draft", or None
+    branchless: bool = False              # no runtime branch in the sampler (GPU: a conditional blocks dispatch)
 
 
 def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _StepStatic):
@@ -202,7 +203,7 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
                                   kernel_impl=st.kernel_impl, ctx=ctx)
     logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=st.kernel_impl)
     smp = (inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"])
-    tok_S, logprobs_SV = sample(logits_SV, *smp, inp["seed_S"], inp["sample_pos_S"])
+    tok_S, logprobs_SV = sample(logits_SV, *smp, inp["seed_S"], inp["sample_pos_S"], branchless=st.branchless)
     extra = {}
     if st.spec_role == "target":       # verify rows: rejection sampling against the draft's q (sampling.py)
         q_row = inp["q_row_S"]
@@ -414,7 +415,8 @@ class ModelRunner:
         return opts
 
     def _static(self, bucket: int) -> _StepStatic:
-        return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role)
+        return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role,
+                           branchless=self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"))
 
     def _layout(self, bucket: int) -> tuple:
         return self._empty_inputs(bucket).pack()[2]

@@ -105,3 +105,56 @@ def test_top_k_in_rounds_equals_lax_top_k(B, V, k):
     np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
     np.testing.assert_array_equal(np.take_along_axis(xt, np.asarray(i), axis=-1), np.asarray(rv))
     assert all(len(set(row)) == k for row in np.asarray(i).tolist())       # no id twice
+
+
+@pytest.mark.parametrize("temp,k,p,mp", [(1.0, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 10, 1.0, 0.0),
+                                         (1.0, 0, 1.0, 0.3), (1.2, 0, 0.999, 0.0), (0.7, 50, 0.9, 0.05),
+                                         (1.0, 600, 0.95, 0.0), (0.5, 1, 1.0, 0.0), (0.0, 0, 1.0, 0.0)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_branchless_sampler_draws_what_the_full_sort_draws(temp, k, p, mp, ties):
+    """The GPU engine's sampler (no runtime branch, no sort: the kept set found on the values' bits) against the
+    full sort for the same keys, and its kept set against the float64 reference; `ties`: logits rounded to bfloat16
+    (the step's logits are), so many tokens share a value and the id order among them decides."""
+    from tbjax.sampling import _keep_by_threshold
+    rng = np.random.default_rng()
+    V, n = 500, 256
+    L = (rng.normal(size=(n, V)) * rng.uniform(0.5, 6, size=(n, 1))).astype(np.float32)
+    if ties:
+        L = np.asarray(jnp.asarray(L).astype(jnp.bfloat16).astype(jnp.float32))
+    arr = lambda v, dt: jnp.asarray(np.broadcast_to(np.asarray(v, dt), (n,)))  # noqa: E731
+    a = (jnp.asarray(L), arr(temp, np.float32), arr(k, np.int32), arr(p, np.float32), arr(mp, np.float32),
+         arr(np.arange(n), np.uint32), arr(7, np.int32))
+    full, _ = sample(*a, candidates=0)
+    branchless, _ = sample(*a, branchless=True)
+    np.testing.assert_array_equal(np.asarray(branchless), np.asarray(full))
+    t = temp if temp > 0 else 1.0
+    z = jnp.asarray(L) / t
+    keep = np.asarray(_keep_by_threshold(z, jax.nn.logsumexp(z, axis=-1, keepdims=True), *a[2:5]))
+    for i in range(0, n, 17):
+        z64 = L[i].astype(np.float64) / t
+        prob = np.exp(z64 - z64.max())
+        prob /= prob.sum()
+        ref = keep_mask_numpy(L[i], temp, k, p, mp)
+        # the float32 masses differ from float64 only for tokens whose preceding mass rounds to top_p = 1.0
+        visible = prob > 1e-5
+        np.testing.assert_array_equal(keep[i][visible], ref[visible], err_msg=f"row {i}")
+
+
+def test_branchless_step_has_no_conditional_on_gpu():
+    """What the branchless sampler is for: the engine's GPU step program (compiled for sm_90 without a GPU) has no
+    entry-level conditional or while loop, whose predicate XLA:GPU would copy to the host, blocking the dispatch."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    plugin = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
+    if not os.path.isdir(os.path.join(plugin, "jax_plugins", "xla_cuda12")):
+        pytest.skip(f"jax-cuda12-plugin not found in {plugin} (see tests/model/test_decode_hlo.py)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([plugin, root]))
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_hlo_decode.py"), "--layers", "3",
+                          "--variants", "stacked:folded", "--no-thunks", "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["variants"]
+    assert r["control_flow"] == [], r["control_flow"]

@@ -6,6 +6,7 @@ tree the script runs from, else ``$TBJAX_COMMIT`` for copies without ``.git``, e
 machine), ``date`` and ``host`` unless the result already has them."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -88,3 +89,19 @@ def run_json_worker(cmd, timeout: float, mark: str, *, cwd=None, env=None, stder
     elif stderr_on_success:
         last["stderr_tail"] = "\n".join(err.splitlines()[-12:])[-1500:]
     return last
+
+
+def forward_argv(ap: argparse.ArgumentParser, args: argparse.Namespace, skip=()) -> list:
+    """The command-line options that reproduce `args` under `ap` (every option, so a worker process started with
+    them sees what the orchestrator was given), leaving out the destinations in `skip` and options at None."""
+    out = []
+    for a in ap._actions:
+        if not a.option_strings or a.dest in skip or a.dest == "help":
+            continue
+        v = getattr(args, a.dest)
+        if a.nargs == 0:                                  # store_true / store_false
+            if v != a.default:
+                out.append(a.option_strings[0])
+        elif v is not None:
+            out += [a.option_strings[0], str(v)]
+    return out

@@ -41,7 +41,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit, run_json_worker, write_json  # noqa: E402
+from bench_common import forward_argv, git_commit, run_json_worker, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -678,7 +678,11 @@ def summarize(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+# options the orchestrating process uses itself and does not pass to its workers
+_ORCHESTRATOR_ONLY = ("time_budget", "hf_reserve", "smoke", "no_hf", "out", "worker", "deadline_s", "hf_shapes")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="llama-3.1-8b", help="name of a JSON file in benchmarks/configs/")
     ap.add_argument("--dtype", default="bfloat16")
@@ -713,6 +717,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["jax", "hf"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--deadline-s", type=float, default=1e9, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.smoke:
         args.config, args.shapes, args.e2e, args.ref_shape = "smollm2-135m-instruct", "2:64,1:128", "2:64", "2:64"
@@ -751,18 +760,11 @@ def main(argv=None) -> int:
         r = _subprocess_json([sys.executable, "-c", TORCH_COPY], 120)
         res["torch_copy"] = r
         save()
-    base = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--dtype", args.dtype,
-            "--page-size", str(args.page_size), "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--layers", str(args.layers)]
+    # the worker gets every option (only the orchestrator's own left out), the HF worker its shapes on top
+    base = [sys.executable, os.path.abspath(__file__)] + forward_argv(ap, args, skip=_ORCHESTRATOR_ONLY)
     run_hf = has_torch and not args.no_hf and args.hf_shapes
     jax_budget = args.time_budget - (time.time() - t_start) - (args.hf_reserve if run_hf else 0)
-    cmd = base + ["--worker", "jax", "--deadline-s", str(jax_budget), "--shapes", args.shapes, "--e2e", args.e2e,
-                  "--e2e-new-tokens", str(args.e2e_new_tokens), "--ref-shape", args.ref_shape,
-                  "--attn-impl", args.attn_impl, "--matmul-impl", args.matmul_impl,
-                  "--compare-matmul", args.compare_matmul, "--profile", args.profile,
-                  "--profile-steps", str(args.profile_steps), "--dump-hlo", args.dump_hlo,
-                  "--precompile-workers", str(args.precompile_workers), "--layer-buffers", args.layer_buffers,
-                  "--command-buffers", args.command_buffers] + (["--fold-norms"] if args.fold_norms else [])
+    cmd = base + ["--worker", "jax", "--deadline-s", str(jax_budget)]
     res["jax"] = _subprocess_json(cmd, jax_budget + 90)   # the deadline is checked between variants
     save()
     if run_hf:

@@ -227,7 +227,8 @@ def jax_worker(args) -> dict:
     params = jax.jit(init_params, static_argnums=(0, 2))(spec, jax.random.key(0), args.dtype)
     if args.weight_dtype != "bf16":      # matrices resident in fp8 / int8 / int4 (quantized where they live)
         from tbjax.model import quant
-        params = quant.quantize_tree(params, args.weight_dtype, on_device=True)
+        fmt, group = ("fp8", 128) if args.weight_dtype == "fp8-block" else (args.weight_dtype, None)
+        params = quant.quantize_tree(params, fmt, on_device=True, group=group)
     jax.block_until_ready(params)
     res["init_weights_s"] = time.perf_counter() - t0
     itemsize = jnp.dtype(args.dtype).itemsize
@@ -686,8 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="llama-3.1-8b", help="name of a JSON file in benchmarks/configs/")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--weight-dtype", default="bf16", choices=["bf16", "fp8", "int8", "int4"],
-                    help="resident format of the matrices (issue 20: fp8 decode vs bf16); the compute dtype is --dtype")
+    ap.add_argument("--weight-dtype", default="bf16", choices=["bf16", "fp8", "fp8-block", "int8", "int4"],
+                    help="resident format of the matrices (issue 20: fp8 decode vs bf16): fp8 per output channel, "
+                         "fp8-block DeepSeek's 128 x 128 blocks; the compute dtype is --dtype")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=0, help="override the config's layer count (0 = as configured)")
     ap.add_argument("--dump-hlo", default="", help="write the first shape's optimized decode-step HLO here")

@@ -149,7 +149,7 @@ def per_layer(kernels: list[dict], n_layers: int, anchor) -> tuple[list[list[dic
 
 
 def build(layers: int, batch: int, ctx: int, page: int, layer_buffers: str, attn_impl: str, config: str | None,
-          fold: bool = False):
+          fold: bool = False, weight_dtype: str = "bf16"):
     """The engine's step program (ModelRunner on a one-GPU sm_90 topology mesh, abstract weights and pools) for the
     token bucket of a decode batch of `batch` sequences: T = bucket(batch) tokens, S = min(T, max_num_seqs = batch)
     sequence slots, block tables ctx // page wide. Returns (spec, runner, bucket, compiled)."""
@@ -162,7 +162,8 @@ def build(layers: int, batch: int, ctx: int, page: int, layer_buffers: str, attn
     spec = ModelSpec.from_hf_config(cfg).replace(dtype="bfloat16")
     runner = abstract_runner(spec, gpu_mesh(1), DecodeLayout(), kv_pages=1 + batch * (ctx // page), page_size=page,
                              max_num_seqs=batch, max_tokens=batch, max_pages_per_seq=ctx // page,
-                             attn_impl=attn_impl, matmul_impl="auto", layer_buffers=layer_buffers, fold_norms=fold)
+                             attn_impl=attn_impl, matmul_impl="auto", layer_buffers=layer_buffers, fold_norms=fold,
+                             weight_dtype=weight_dtype)
     bucket = runner._bucket_for(batch)
     return spec, runner, bucket, compile_bucket(runner, bucket)
 
@@ -182,8 +183,8 @@ def analyse(hlo: str, n_layers: int) -> dict:
             # unless its trip count is known) to the host and waits, which blocks the step's dispatch
             "control_flow": [{x: k[x] for x in ("name", "op", "src")} for k in ks if k["op"] in ("while", "conditional")],
             "layers": [[{x: k[x] for x in ("name", "kind", "params", "shape", "src")} for k in L] for L in layers],
-            "head": [{x: k[x] for x in ("name", "kind", "params")} for k in head],
-            "tail": [{x: k[x] for x in ("name", "kind", "params")} for k in tail]}
+            "head": [{x: k[x] for x in ("name", "kind", "params", "shape")} for k in head],
+            "tail": [{x: k[x] for x in ("name", "kind", "params", "shape")} for k in tail]}
 
 
 def diff(a: dict, b: dict) -> dict:
@@ -255,6 +256,8 @@ def main(argv=None):
     ap.add_argument("--dump", default=None, help="write each optimized HLO to <dump>.<variant>.txt")
     ap.add_argument("--json", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true", help="only the JSON line")
+    ap.add_argument("--weight-dtype", default="bf16", choices=["bf16", "fp8", "fp8-block", "int8", "int4"],
+                    help="resident format of the matrices (QuantizedWeights; what the decode projections read)")
     a = ap.parse_args(argv)
     if a.layers < 2:
         raise SystemExit("--layers must be >= 2 (a whole layer lies between two layers' first attention launches)")
@@ -272,7 +275,8 @@ def main(argv=None):
                                    " --xla_dump_hlo_pass_re=^$").strip()
     results = []
     for name, lb, fold in variants:
-        spec, runner, bucket, compiled = build(a.layers, a.batch, a.ctx, a.page, lb, a.attn_impl, a.config, fold=fold)
+        spec, runner, bucket, compiled = build(a.layers, a.batch, a.ctx, a.page, lb, a.attn_impl, a.config, fold=fold,
+                                               weight_dtype=a.weight_dtype)
         hlo = compiled.as_text()
         if a.dump:
             with open(f"{a.dump}.{name.replace(':', '_')}.txt", "w") as f:
@@ -282,7 +286,8 @@ def main(argv=None):
         entry = re.search(r"^ENTRY [^(]*\((.*)\) ->", hlo, re.M)
         r.update(entry_parameters=len(re.findall(r"\w+: ", entry.group(1))) if entry else None,
                  temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes))
-        r.update(variant=name, layer_buffers=lb, folded_norms=fold, attn_impl=a.attn_impl, batch=a.batch, ctx=a.ctx,
+        r.update(variant=name, weight_dtype=a.weight_dtype, layer_buffers=lb, folded_norms=fold,
+                 attn_impl=a.attn_impl, batch=a.batch, ctx=a.ctx,
                  n_layers=a.layers, bucket=bucket, sequence_slots=runner.seqs_for(bucket),
                  pages_per_seq=runner.max_pages)
         if dump_dir:

@@ -325,9 +325,10 @@ def abstract_placement():
 
 def abstract_runner(spec, mesh, layout, *, kv_pages: int, page_size: int, max_num_seqs: int, max_tokens: int,
                     max_pages_per_seq: int, attn_impl: str = "auto", matmul_impl: str = "auto",
-                    layer_buffers: str = "stacked", fold_norms: bool = False):
+                    layer_buffers: str = "stacked", fold_norms: bool = False, weight_dtype: str = "bf16"):
     """A ModelRunner (the engine's) on `mesh` (devices may be compile-only) with abstract params and KV pools of
-    `kv_pages` pages per dp rank; compile a bucket with `compile_bucket`."""
+    `kv_pages` pages per dp rank; compile a bucket with `compile_bucket`. `weight_dtype` other than bf16: the
+    matrices as abstract QuantizedWeights of that format (tbjax.model.quant, resident as the engine holds them)."""
     import jax
 
     from tbjax.engine.kv_cache import KVCacheConfig
@@ -335,6 +336,10 @@ def abstract_runner(spec, mesh, layout, *, kv_pages: int, page_size: int, max_nu
     from tbjax.model.params import param_shapes
 
     params = param_shapes(spec, spec.dtype)
+    if weight_dtype != "bf16":
+        from tbjax.model import quant
+        fmt, group = ("fp8", 128) if weight_dtype == "fp8-block" else (weight_dtype, None)
+        params = jax.eval_shape(lambda p: quant.quantize_tree(p, fmt, on_device=True, group=group), params)
     with abstract_placement() as jit:
         runner = ModelRunner(spec, params, mesh=mesh, layout=layout, page_size=page_size, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_tokens, max_pages_per_seq=max_pages_per_seq,

@@ -68,7 +68,9 @@ def leaf_bytes(name: str, shape, weights: str, dtype, *, checkpoint: bool = Fals
     Kimi block-scaled files) also keeps its embedding and head float, as the file ships them."""
     ax = quant.matrix_in_axis(name, len(shape))
     if weights in quant.FORMATS and ax is not None and not (checkpoint and name in ("embed", "lm_head")):
-        return quant.quantized_nbytes(shape, weights, ax)
+        # an fp8 checkpoint keeps its 128 x 128 blocks; fp8 quantized at load is per output channel
+        group = quant.FP8_BLOCK[0] if checkpoint and weights == "fp8" else None
+        return quant.quantized_nbytes(shape, weights, ax, group)
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 

@@ -113,6 +113,7 @@ def load(key: str):
     if not os.path.exists(path):
         return None
     from jax.experimental import serialize_executable as se
+    _register_custom_calls()
     try:
         with open(path, "rb") as f:
             return se.deserialize_and_load(*pickle.load(f))
@@ -123,6 +124,15 @@ def load(key: str):
         except OSError:
             pass
         return None
+
+
+def _register_custom_calls() -> None:
+    """Register the FFI targets a saved program may call before it is loaded: XLA resolves a custom call's handler
+    when the executable loads, and tbjax's CPU kernels register theirs only when first traced (a quantized model's
+    first saved program failed to load, and was compiled again, for that)."""
+    if jax.default_backend() == "cpu":
+        from tbjax.model import cpu_qgemv
+        cpu_qgemv.available()
 
 
 def save(key: str, compiled) -> bool:

@@ -523,37 +523,38 @@ class ModelRunner:
 
         from tbjax.engine import program_cache
         t = time.perf_counter()
-        todo, keys = {}, {}
         saveable = self.mesh.devices.size == 1 and program_cache.cache_dir() is not None
+        # the programs wanted: ("step", bucket) and ("lp", sampling slots), each under its key
+        want = {}
         for b in (self.buckets if buckets is None else buckets):
             b = self._bucket_for(b)
-            if b in self._compiled or b in todo:
-                continue
-            keys[b] = self._program_key(b)
-            exe = program_cache.shared_get(keys[b])       # compiled by another engine of this process
-            if exe is None and saveable:  # a warm start loads the whole executable (no trace, lowering, compile)
-                exe = program_cache.load(keys[b])
-                if exe is not None:
-                    program_cache.shared_put(keys[b], exe)
+            if b not in self._compiled:
+                want.setdefault(("step", b), None)
+            U = self.samples_for(b)
+            if U not in self._top_lp_compiled:
+                want.setdefault(("lp", U), None)
+        keys = {w: (self._program_key(w[1]) if w[0] == "step" else self._top_lp_key(w[1])) for w in want}
+        found = {w: program_cache.shared_get(k) for w, k in keys.items()}    # compiled by another engine here
+        missing = [w for w, exe in found.items() if exe is None]
+        if saveable and missing:
+            # a warm start loads whole executables (no trace, lowering, compile), several at once: deserializing
+            # and loading onto the device release the GIL, and one after the other they were most of a warm start
+            with cf.ThreadPoolExecutor(max(1, min(workers, len(missing)))) as pool:
+                for w, exe in zip(missing, pool.map(lambda w: program_cache.load(keys[w]), missing)):
+                    if exe is not None:
+                        program_cache.shared_put(keys[w], exe)
+                        found[w] = exe
+        todo, lp_todo = {}, {}
+        for (kind, n), exe in found.items():
+            table = self._compiled if kind == "step" else self._top_lp_compiled
             if exe is not None:
-                self._compiled[b] = exe
-                continue
-            todo[b] = self._fn(b).lower(*self._abstract_args(b))
-        lp_todo = {}
-        for b in (self.buckets if buckets is None else buckets):
-            U = self.samples_for(self._bucket_for(b))
-            if U in self._top_lp_compiled or U in lp_todo:
-                continue
-            keys[("lp", U)] = self._top_lp_key(U)
-            exe = program_cache.shared_get(keys[("lp", U)])
-            if exe is None and saveable:
-                exe = program_cache.load(keys[("lp", U)])
-                if exe is not None:
-                    program_cache.shared_put(keys[("lp", U)], exe)
-            if exe is not None:
-                self._top_lp_compiled[U] = exe
-                continue
-            lp_todo[U] = self._top_lp.lower(*self._top_lp_args(U))
+                table[n] = exe
+            elif kind == "step":
+                todo[n] = self._fn(n).lower(*self._abstract_args(n))
+            else:
+                lp_todo[n] = self._top_lp.lower(*self._top_lp_args(n))
+        keys = {**{n: k for (kind, n), k in keys.items() if kind == "step"},
+                **{("lp", n): k for (kind, n), k in keys.items() if kind == "lp"}}
         bar = tqdm(total=len(todo), desc="compiling step programs", disable=not progress or not todo, unit="prog")
         with cf.ThreadPoolExecutor(max(1, min(workers, len(todo) + len(lp_todo)))) as pool:
             futs = {pool.submit(lowered.compile): b for b, lowered in todo.items()}

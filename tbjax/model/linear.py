@@ -150,13 +150,92 @@ def dequant_dot(x_TD, w: QuantizedWeight, out_dtype=None):
     return y.reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)
 
 
+def _codes_exact_in(w: QuantizedWeight, dtype) -> bool:
+    """Whether every code of w converts to `dtype` exactly (int8 and e4m3 into bf16 / f16 / f32)."""
+    return w.zero is None and w.fmt in ("int8", "fp8") and jnp.dtype(dtype) in (
+        jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def per_channel(w: QuantizedWeight) -> bool:
+    """One scale per output column (the scale block spans the whole contraction axis), no zero point."""
+    return w.zero is None and w.block[0] >= w.shape[0] and all(b == 1 for b in w.block[1:])
+
+
+def row_scaled(x_TD, w_VD: QuantizedWeight) -> bool:
+    """A [V, D] table (a tied head, contracting D) with one scale per row and codes exact in x's dtype."""
+    return _codes_exact_in(w_VD, x_TD.dtype) and w_VD.ndim == 2 and w_VD.block == (1, w_VD.shape[1]) and \
+        w_VD.index is None
+
+
+def channel_dot(x_TD, w: QuantizedWeight, out_dtype=None):
+    """x @ w for a per-channel weight: (x @ codes) * scale, the scale applied to the float32 result. The codes
+    convert to x's dtype exactly, and a bare convert is what XLA:GPU fuses into its GEMM: the weight is read once
+    in its stored bytes (dequantizing first writes and re-reads a bf16 copy, 5 bytes per fp8 weight instead of 1)."""
+    out_dtype = out_dtype or x_TD.dtype
+    w = w.materialize()                          # a layer's view of a stack: XLA fuses the slice into the GEMM
+    D = w.shape[0]
+    y = jnp.dot(x_TD, w.q.reshape(D, -1).astype(x_TD.dtype), preferred_element_type=jnp.float32)
+    y = y * w.scale.reshape(1, -1).astype(jnp.float32)
+    return y.reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)
+
+
+# block_dot for steps of at most this fraction of a column block's width in tokens (64 for 128-wide fp8 blocks):
+# its extra traffic, 4 T / bN bytes per weight element, stays at most half of dequantizing's.
+BLOCK_DOT_MAX_T_PER_COL = 0.5
+
+
+def _block_layout(w: QuantizedWeight):
+    """(rows per block bD, columns per block bN) when w's scales are blocks of bD contraction rows x bN contiguous
+    columns of the [D, N] matrix (N = the flattened output axes) that tile it exactly, else None."""
+    if w.zero is not None or w.ndim < 2:
+        return None
+    bD, rest, brest = w.block[0], w.shape[1:], w.block[1:]
+    if any(b != 1 for b in brest[:-1]) or w.shape[0] % bD or rest[-1] % brest[-1] or bD >= w.shape[0]:
+        return None
+    return bD, brest[-1]
+
+
+def block_dot(x_TD, w: QuantizedWeight, out_dtype=None):
+    """x @ w for a block-scaled weight (scales per bD rows x bN columns, DeepSeek's fp8 128 x 128) at decode token
+    counts, without dequantizing the weight: for column block n, x @ (q * s) = (x * s[:, n] per row block) @ q[:, n].
+    x is scaled once per column block (a [N/bN, T, D] operand, float32 math rounded once to x's dtype), then one
+    batched GEMM over the column blocks reads the codes through a bare convert (fused into the GEMM on XLA:GPU).
+    Extra traffic: the scaled x, 4 T / bN bytes per weight element (write + read) -- below dequantizing's 4 (a bf16
+    copy written and read) while T < bN; `matmul` takes this path for T <= BLOCK_DOT_MAX_T_PER_COL * bN."""
+    out_dtype = out_dtype or x_TD.dtype
+    w = w.materialize()
+    T, D = x_TD.shape
+    bD, bN = _block_layout(w)
+    N = int(np.prod(w.shape[1:]))
+    nb = N // bN
+    s = w.scale.reshape(D // bD, nb).astype(jnp.float32)                        # [Db, Nb]
+    xs = x_TD.astype(jnp.float32).reshape(1, T, D // bD, bD) * s.T[:, None, :, None]
+    xs = xs.reshape(nb, T, D).astype(x_TD.dtype)                                # [Nb, T, D]
+    q = w.q.reshape(D, nb, bN).astype(x_TD.dtype)                               # [D, Nb, bN]
+    y = jax.lax.dot_general(xs, q, (((2,), (0,)), ((0,), (1,))), preferred_element_type=jnp.float32)  # [Nb, T, bN]
+    return y.transpose(1, 0, 2).reshape(T, *w.shape[1:]).astype(out_dtype)
+
+
+def quantized_dot(x_TD, w: QuantizedWeight, out_dtype=None):
+    """x @ w for a QuantizedWeight through XLA, the cheapest exact-code form: per-channel scales on the result
+    (channel_dot), block scales on x at decode token counts (block_dot), else the weight dequantized in the
+    program (dequant_dot: what prefill-sized steps take, where the GEMM's FLOPs hide the copy)."""
+    if _codes_exact_in(w, x_TD.dtype):
+        if per_channel(w):
+            return channel_dot(x_TD, w, out_dtype)
+        lay = _block_layout(w)
+        if lay is not None and x_TD.shape[0] <= BLOCK_DOT_MAX_T_PER_COL * lay[1]:
+            return block_dot(x_TD, w, out_dtype)
+    return dequant_dot(x_TD, w, out_dtype)
+
+
 def matmul(x_TD, w, out_dtype=None):
     """x [T, D] @ w [D, ...] (float or QuantizedWeight) with float32 accumulation, in out_dtype (default x's)."""
     out_dtype = out_dtype or x_TD.dtype
     if isinstance(w, QuantizedWeight):
         if cpu_qgemv.takes_cols(x_TD, w):
             return cpu_qgemv.qgemv_cols(x_TD, w).reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)
-        return dequant_dot(x_TD, w, out_dtype)
+        return quantized_dot(x_TD, w, out_dtype)
     if w.ndim > 2:
         y = jnp.dot(x_TD, w.reshape(w.shape[0], -1), preferred_element_type=jnp.float32)
         return y.reshape(x_TD.shape[0], *w.shape[1:]).astype(out_dtype)

@@ -13,8 +13,10 @@ them directly (tbjax/model/linear.py):
         Q4_0 (zero = -8 * scale), Q4_1 (zero = min) and Q4_K (scale = d * sc, zero = -dmin * m) convert exactly.
         Two codes per byte: the low nibbles hold the first half of the last axis, the high nibbles the second half
         (an unpack is one concatenate, no interleave).
-  fp8   float8_e4m3fn codes with float32 scales per 128 x 128 block: w = q * scale (DeepSeek / Kimi
-        `weight_scale_inv`, transposed to the tree's [in, out] orientation).
+  fp8   float8_e4m3fn codes with float32 scales: w = q * scale. Per 128 x 128 block as DeepSeek / Kimi ship them
+        (`weight_scale_inv`, transposed to the tree's [in, out] orientation); per output channel when a float
+        checkpoint is quantized at load (the scale then multiplies the matmul's result: tbjax/model/linear.py
+        reads such a weight once, in its fp8 bytes).
 
 A `QuantizedWeight` is a registered pytree (leaves q, scale, zero) that knows its logical shape, its scale blocks
 (one entry per axis: scale.shape[i] == ceil(shape[i] / block[i])) and its compute dtype, so that tree code
@@ -403,9 +405,12 @@ def scale_block(shape, fmt: str, in_axis: int, group: int | None = None, out_axi
     elif fmt == "int4":
         block[in_axis] = INT4_GROUP if group is None else group
     elif fmt == "fp8":
-        if out_axis is None:
-            out_axis = nd - 1 if in_axis != nd - 1 else nd - 2
-        block[in_axis], block[out_axis % nd] = FP8_BLOCK
+        if group is None and out_axis is None:          # per output channel, as int8
+            block[in_axis] = shape[in_axis]
+        else:                                           # DeepSeek-style blocks of (group or 128) x 128
+            if out_axis is None:
+                out_axis = nd - 1 if in_axis != nd - 1 else nd - 2
+            block[in_axis], block[out_axis % nd] = (group or FP8_BLOCK[0]), FP8_BLOCK[1]
     else:
         raise QuantError(f"unknown quantized format {fmt!r}")
     if fmt != "fp8" and shape[in_axis] % block[in_axis]:
@@ -428,7 +433,8 @@ def quantize(w, fmt: str, in_axis: int, group: int | None = None, out_axis: int 
 
     int8: symmetric, amax/127 per output channel (group None: the whole input axis) or per `group` inputs.
     int4: asymmetric, (max - min)/15 per `group` (default 32) inputs, zero = min.
-    fp8:  amax/448 per 128 x 128 block of (in_axis, out_axis) (out_axis default: the last axis other than in_axis)."""
+    fp8:  amax/448 per output channel (group and out_axis None), else per (group or 128) x 128 block of
+          (in_axis, out_axis) (out_axis default: the last axis other than in_axis)."""
     w = np.asarray(w, np.float32)
     nd = w.ndim
     block = scale_block(w.shape, fmt, in_axis, group, out_axis)
@@ -487,8 +493,8 @@ def matrix_in_axis(name: str, ndim: int) -> int | None:
     return ndim - 2
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "in_axis"))
-def _quantize_on_device(w, qmax, fmt: str, in_axis: int):
+@functools.partial(jax.jit, static_argnames=("fmt", "in_axis", "group"))
+def _quantize_on_device(w, qmax, fmt: str, in_axis: int, group: int | None = None):
     def div(a, b):                       # a / b as numpy divides (b broadcast to a's shape)
         return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
 
@@ -496,7 +502,7 @@ def _quantize_on_device(w, qmax, fmt: str, in_axis: int):
     rewrites a division by a broadcast into a multiplication by the broadcast reciprocal, which rounds differently
     from numpy's division: every divisor here is broadcast to its dividend's shape behind an optimization barrier."""
     shape, nd = w.shape, w.ndim
-    block = scale_block(shape, fmt, in_axis)
+    block = scale_block(shape, fmt, in_axis, group)
     w = w.astype(jnp.float32)
     pads = [(0, -(-n // b) * b - n) for n, b in zip(shape, block)]
     wp = jnp.pad(w, pads) if any(p[1] for p in pads) else w
@@ -528,24 +534,25 @@ def _quantize_on_device(w, qmax, fmt: str, in_axis: int):
     return q, s.reshape(sq), None if zero is None else zero.reshape(sq)
 
 
-def quantize_on_device(w, fmt: str, in_axis: int, dtype=None) -> QuantizedWeight:
+def quantize_on_device(w, fmt: str, in_axis: int, dtype=None, group: int | None = None) -> QuantizedWeight:
     """A device array quantized to `fmt` along `in_axis` where it lives (the rules and results of `quantize`,
     without a host copy: a bf16 checkpoint already on the accelerator, synthetic benchmark weights)."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown quantized format {fmt!r}")
     in_axis %= w.ndim
     qmax = {"int8": 127.0, "fp8": FP8_MAX, "int4": 15.0}[fmt]
-    q, s, z = _quantize_on_device(w, jnp.float32(qmax), fmt, in_axis)
-    return QuantizedWeight(q, s, z, fmt=fmt, block=scale_block(w.shape, fmt, in_axis), shape=w.shape,
+    q, s, z = _quantize_on_device(w, jnp.float32(qmax), fmt, in_axis, group)
+    return QuantizedWeight(q, s, z, fmt=fmt, block=scale_block(w.shape, fmt, in_axis, group), shape=w.shape,
                            dtype=dtype or w.dtype)
 
 
-def quantize_tree(params, fmt: str, dtype=None, *, on_device: bool = False):
+def quantize_tree(params, fmt: str, dtype=None, *, on_device: bool = False, group: int | None = None):
     """The tree with every matrix (see matrix_in_axis) quantized to `fmt` on the host (float32 math), placed as
     QuantizedWeights whose compute dtype is `dtype` (default: the float leaf's dtype). Already quantized weights are
     converted (int4 -> int8 exactly, others through float32). For float checkpoints and tests; loaders convert
     their own formats while assembling. `on_device`: float matrices are quantized where they live
-    (`quantize_on_device`, the same codes)."""
+    (`quantize_on_device`, the same codes). `group`: as in `quantize` (fp8: 128 gives DeepSeek's 128 x 128
+    blocks, None per-channel scales)."""
     if fmt not in FORMATS:
         raise QuantError(f"quantize_tree: format must be one of {FORMATS}, got {fmt!r}")
 
@@ -561,8 +568,8 @@ def quantize_tree(params, fmt: str, dtype=None, *, on_device: bool = False):
                 return leaf
             leaf = np.asarray(dequantize(leaf, jnp.float32))
         elif on_device:
-            return quantize_on_device(leaf, fmt, ax, dt)
-        h = quantize(np.asarray(jnp.asarray(leaf, jnp.float32)), fmt, in_axis=ax)
+            return quantize_on_device(leaf, fmt, ax, dt, group)
+        h = quantize(np.asarray(jnp.asarray(leaf, jnp.float32)), fmt, in_axis=ax, group=group)
         return h.to_device(dt)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_leaf)

@@ -30,7 +30,7 @@ from sharding import packed as pk
 
 from tbjax.model import cpu_qgemv, layers as ly
 from tbjax.model.kinds import ATTENTION_APPLY, FFN_APPLY
-from tbjax.model.linear import kernel_matmul, kernel_takes, layer_params, matmul
+from tbjax.model.linear import kernel_matmul, kernel_takes, layer_params, matmul, row_scaled
 from tbjax.model.quant import QuantizedWeight, take_rows
 from tbjax.spec import ModelSpec, rope_attention_scale
 
@@ -125,6 +125,9 @@ def tied_logits(h_TD, embed_VD):
     if isinstance(embed_VD, QuantizedWeight):
         if cpu_qgemv.takes_rows(h_TD, embed_VD):
             return cpu_qgemv.qgemv_rows(h_TD, embed_VD)
+        if row_scaled(h_TD, embed_VD):          # one scale per vocabulary row: on the result, codes read once
+            y = jnp.einsum("td,vd->tv", h_TD, embed_VD.q.astype(h_TD.dtype), preferred_element_type=jnp.float32)
+            return y * embed_VD.scale.reshape(1, -1).astype(jnp.float32)
         embed_VD = embed_VD.dequantize(h_TD.dtype)
     return jnp.einsum("td,vd->tv", h_TD, embed_VD, preferred_element_type=jnp.float32)
 

@@ -98,8 +98,10 @@ def _f64_ref(x, h: qz.HostQuant):
 
 @pytest.mark.parametrize("fmt,group,shape", [("int8", None, (192, 96)), ("int8", 32, (128, 2, 48)),
                                              ("int4", 32, (192, 96)), ("int4", 32, (128, 2, 48)),
-                                             ("fp8", None, (256, 160))])
-@pytest.mark.parametrize("T", [2, 5, 24])
+                                             ("fp8", None, (256, 160)),          # per channel: channel_dot
+                                             ("fp8", 128, (256, 2, 256)),        # 128 x 128 blocks: block_dot
+                                             ("fp8", 128, (256, 160))])          # blocks not tiling: dequant_dot
+@pytest.mark.parametrize("T", [2, 5, 24, 80])
 def test_matmul_against_float64(fmt, group, shape, T):
     r = rng(2)
     h = qz.quantize(r.normal(0, 1, shape).astype(np.float32), fmt, in_axis=0, group=group)

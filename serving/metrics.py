@@ -14,10 +14,14 @@ a program the warm-up missed (each one stalls its whole batch).
 """
 from __future__ import annotations
 
+import socket
 import threading
 import weakref
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 __all__ = ["ServerMetrics", "PHASES", "CHILD_COMPILES_KEY"]
 
@@ -35,6 +39,22 @@ CHILD_COMPILES_KEY = "xla_compile_new_s"
 
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _only_metrics(app):
+    """The WSGI app answering ``/metrics`` only: any other path is a 404 (prometheus_client's server answers every
+    path with the metrics, so a mistyped scrape path or a probe of ``/`` would look healthy)."""
+    def wrapped(environ, start_response):
+        if environ.get("PATH_INFO", "") in ("/metrics", "/metrics/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: metrics are at /metrics\n"]
+    return wrapped
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        pass
 
 
 class ServerMetrics:
@@ -77,6 +97,11 @@ class ServerMetrics:
         self.kv_total = Gauge("tbjax_kv_pages_total", "KV cache pages in all (used + cached + free)", registry=r)
         self.prefix_hit = Gauge("tbjax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
                                 "prompt tokens looked up", registry=r)
+        # vLLM's prefix_cache_queries / prefix_cache_hits: tokens, so that rate(hits) / rate(queries) is the hit rate
+        # of any window (the gauge above is the rate since the engine started)
+        self.prefix_queries = Counter("tbjax_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("tbjax_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.transfer_raw = Counter("tbjax_kv_transfer_raw_bytes", "KV bytes moved between workers, before the codec",
                                     registry=r)
         self.transfer_wire = Counter("tbjax_kv_transfer_compressed_bytes",
@@ -172,7 +197,8 @@ class ServerMetrics:
         for key, counter in (("spec_draft_tokens", self.spec_draft_tokens),
                              ("spec_accepted_tokens", self.spec_accepted_tokens),
                              ("spec_emitted_tokens", self.spec_emitted_tokens),
-                             ("spec_verify_entries", self.spec_drafts)):
+                             ("spec_verify_entries", self.spec_drafts),
+                             ("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits)):
             v = stats.get(key)
             if _num(v):
                 last = self._spec_last.get(key, 0)
@@ -185,7 +211,12 @@ class ServerMetrics:
         with self._lock:
             if self._http is not None:
                 raise RuntimeError("metrics HTTP server already started")
-            httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]     # IPv4 or IPv6 host
+            server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+            httpd = make_server(host, port, _only_metrics(make_wsgi_app(self.registry)), server_class,
+                                handler_class=_QuietHandler)
+            thread = threading.Thread(target=httpd.serve_forever, name="tbjax-metrics-http", daemon=True)
+            thread.start()
             self._http = (httpd, thread)
             return httpd.server_port
 

@@ -130,7 +130,7 @@ class ServerMetrics:
                                           "verify step (1 + accepted drafts)", registry=r)
         self.spec_draft_pages = Gauge("tbjax_spec_decode_draft_kv_pages_used", "Draft KV ring pages held (one ring "
                                       "per running sequence)", registry=r)
-        self._spec_last: dict[str, float] = {}
+        self._totals_last: dict[str, float] = {}
         self._http = None
         self._lock = threading.Lock()
         self._compile_listener = None
@@ -201,9 +201,9 @@ class ServerMetrics:
                              ("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits)):
             v = stats.get(key)
             if _num(v):
-                last = self._spec_last.get(key, 0)
+                last = self._totals_last.get(key, 0)
                 counter.inc(v - last if v >= last else v)
-                self._spec_last[key] = v
+                self._totals_last[key] = v
 
     # -- exposition --------------------------------------------------------------------------------------
     def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:

@@ -553,8 +553,6 @@ class ModelRunner:
                 todo[n] = self._fn(n).lower(*self._abstract_args(n))
             else:
                 lp_todo[n] = self._top_lp.lower(*self._top_lp_args(n))
-        keys = {**{n: k for (kind, n), k in keys.items() if kind == "step"},
-                **{("lp", n): k for (kind, n), k in keys.items() if kind == "lp"}}
         bar = tqdm(total=len(todo), desc="compiling step programs", disable=not progress or not todo, unit="prog")
         with cf.ThreadPoolExecutor(max(1, min(workers, len(todo) + len(lp_todo)))) as pool:
             futs = {pool.submit(lowered.compile): b for b, lowered in todo.items()}
@@ -562,9 +560,9 @@ class ModelRunner:
             for f in cf.as_completed(futs):
                 b = futs[f]
                 self._compiled[b] = f.result()
-                program_cache.shared_put(keys[b], self._compiled[b])
+                program_cache.shared_put(keys[("step", b)], self._compiled[b])
                 if saveable:
-                    program_cache.save(keys[b], self._compiled[b])
+                    program_cache.save(keys[("step", b)], self._compiled[b])
                 bar.update(1)
             for f, U in lp_futs.items():
                 self._top_lp_compiled[U] = f.result()

@@ -2,9 +2,11 @@
 
 Each server owns its own ``CollectorRegistry`` (so several servers, e.g. in tests or one per role, never
 clash) and exposes it over HTTP on a separate port, loopback by default. Names follow Prometheus
-conventions (``tbjax_`` prefix, base units: seconds, bytes). The KV-transfer counters exist in every role
-so that dashboards do not change when prefill/decode disaggregation is switched on; colocated serving
-leaves them at zero.
+conventions (``tbjax_`` prefix, base units: seconds, bytes). Every sample carries the label ``model_name``, the
+served model's name (what ``/v1/models`` and ``ModelInfo`` report), as vLLM's do, besides the metric's own labels
+(phase, outcome, code, role); the router and the prefill/decode workers label theirs the same way. The KV-transfer
+counters exist in every role so that dashboards do not change when prefill/decode disaggregation is switched on;
+colocated serving leaves them at zero.
 
 Start-up: ``tbjax_ready`` is 1 once the server has compiled its programs (warm-up) and serves, 0 before and while it
 drains; ``tbjax_xla_compiles_total`` / ``tbjax_xla_compile_seconds`` count every XLA compile of the server's process
@@ -14,6 +16,7 @@ a program the warm-up missed (each one stalls its whole batch).
 """
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import weakref
@@ -57,79 +60,97 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-class ServerMetrics:
-    """All metrics of one server, in its own registry. Thread-safe (prometheus_client objects are)."""
+class _ModelLabelled:
+    """A metric with labels besides ``model_name``, that label bound: ``labels(phase=...)`` is the child of this
+    server's model and that phase."""
 
-    def __init__(self, role: str = "colocated"):
+    def __init__(self, metric, model_name: str):
+        self._metric, self._model_name = metric, model_name
+
+    def labels(self, **labels):
+        return self._metric.labels(model_name=self._model_name, **labels)
+
+    def collect(self):
+        return self._metric.collect()
+
+
+def _model_metric(cls, registry: CollectorRegistry, model_name: str, name: str, documentation: str, labelnames=(),
+                  **kw):
+    """A ``cls`` (Counter, Gauge, Histogram) in ``registry`` with the labels ``model_name`` and ``labelnames``,
+    ``model_name`` bound: the child of ``model_name`` when there are no others, else a ``_ModelLabelled``."""
+    metric = cls(name, documentation, ("model_name", *labelnames), registry=registry, **kw)
+    return _ModelLabelled(metric, model_name) if labelnames else metric.labels(model_name=model_name)
+
+
+class ServerMetrics:
+    """All metrics of one server, in its own registry. Thread-safe (prometheus_client objects are). ``model_name``: the
+    served model's name, the ``model_name`` label of every series. A metric without labels of its own is the child of
+    that label (``inc`` / ``set`` / ``observe`` as usual); one with labels of its own takes them in ``labels(...)``."""
+
+    def __init__(self, role: str = "colocated", *, model_name: str):
         self.role = role
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("tbjax_time_to_first_token_seconds", "Request arrival to first streamed token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("tbjax_time_per_output_token_seconds",
+        counter, gauge, histogram = (functools.partial(_model_metric, cls, r, model_name)
+                                     for cls in (Counter, Gauge, Histogram))
+        self.ttft = histogram("tbjax_time_to_first_token_seconds", "Request arrival to first streamed token",
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = histogram("tbjax_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (output tokens - 1)",
-                              buckets=_TOKEN_BUCKETS, registry=r)
-        self.itl = Histogram("tbjax_inter_token_latency_seconds", "Time between consecutive streamed chunks",
-                             buckets=_TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("tbjax_request_latency_seconds", "Request arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.phase = Histogram("tbjax_request_phase_seconds", "Time spent per request phase", ["phase"],
-                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.step = Histogram("tbjax_engine_step_seconds", "Wall time of one engine step",
-                              buckets=_TOKEN_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("tbjax_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.output_tokens = Counter("tbjax_generation_tokens", "Generated tokens streamed", registry=r)
-        self.requests = Counter("tbjax_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.rejected = Counter("tbjax_requests_rejected", "Requests refused before the engine", ["code"],
-                                registry=r)
-        self.inflight = Gauge("tbjax_requests_inflight", "Accepted, not finished (running + queued)", registry=r)
-        self.queued = Gauge("tbjax_requests_queued", "Accepted, waiting in the server's queue for a running place "
-                            "(over --max-concurrent-requests)", registry=r)
-        self.engine_inbox = Gauge("tbjax_engine_inbox_size", "Commands waiting for the engine thread", registry=r)
-        self.running = Gauge("tbjax_engine_running_requests", "Requests the engine is running", registry=r)
-        self.waiting = Gauge("tbjax_engine_waiting_requests", "Requests waiting inside the engine", registry=r)
-        self.kv_used = Gauge("tbjax_kv_pages_used", "KV cache pages held by requests (not counting the prefix "
-                             "cache's evictable pages: with no request running this is 0, else pages leak)",
-                             registry=r)
-        self.kv_cached = Gauge("tbjax_kv_pages_cached", "KV cache pages held only by the prefix cache (evictable: "
-                               "reused by a later prompt with the same prefix, or freed when pages run short)",
-                               registry=r)
-        self.kv_free = Gauge("tbjax_kv_pages_free", "KV cache pages free", registry=r)
-        self.kv_total = Gauge("tbjax_kv_pages_total", "KV cache pages in all (used + cached + free)", registry=r)
-        self.prefix_hit = Gauge("tbjax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
-                                "prompt tokens looked up", registry=r)
+                              buckets=_TOKEN_BUCKETS)
+        self.itl = histogram("tbjax_inter_token_latency_seconds", "Time between consecutive streamed chunks",
+                             buckets=_TOKEN_BUCKETS)
+        self.e2e = histogram("tbjax_request_latency_seconds", "Request arrival to last token",
+                             buckets=_LATENCY_BUCKETS)
+        self.phase = histogram("tbjax_request_phase_seconds", "Time spent per request phase", ["phase"],
+                               buckets=_LATENCY_BUCKETS)
+        self.step = histogram("tbjax_engine_step_seconds", "Wall time of one engine step",
+                              buckets=_TOKEN_BUCKETS)
+        self.prompt_tokens = counter("tbjax_prompt_tokens", "Prompt tokens of accepted requests")
+        self.output_tokens = counter("tbjax_generation_tokens", "Generated tokens streamed")
+        self.requests = counter("tbjax_requests", "Finished requests by outcome", ["outcome"])
+        self.rejected = counter("tbjax_requests_rejected", "Requests refused before the engine", ["code"])
+        self.inflight = gauge("tbjax_requests_inflight", "Accepted, not finished (running + queued)")
+        self.queued = gauge("tbjax_requests_queued", "Accepted, waiting in the server's queue for a running place "
+                            "(over --max-concurrent-requests)")
+        self.engine_inbox = gauge("tbjax_engine_inbox_size", "Commands waiting for the engine thread")
+        self.running = gauge("tbjax_engine_running_requests", "Requests the engine is running")
+        self.waiting = gauge("tbjax_engine_waiting_requests", "Requests waiting inside the engine")
+        self.kv_used = gauge("tbjax_kv_pages_used", "KV cache pages held by requests (not counting the prefix "
+                             "cache's evictable pages: with no request running this is 0, else pages leak)")
+        self.kv_cached = gauge("tbjax_kv_pages_cached", "KV cache pages held only by the prefix cache (evictable: "
+                               "reused by a later prompt with the same prefix, or freed when pages run short)")
+        self.kv_free = gauge("tbjax_kv_pages_free", "KV cache pages free")
+        self.kv_total = gauge("tbjax_kv_pages_total", "KV cache pages in all (used + cached + free)")
+        self.prefix_hit = gauge("tbjax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                                "prompt tokens looked up")
         # vLLM's prefix_cache_queries / prefix_cache_hits: tokens, so that rate(hits) / rate(queries) is the hit rate
         # of any window (the gauge above is the rate since the engine started)
-        self.prefix_queries = Counter("tbjax_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      registry=r)
-        self.prefix_hits = Counter("tbjax_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self.transfer_raw = Counter("tbjax_kv_transfer_raw_bytes", "KV bytes moved between workers, before the codec",
-                                    registry=r)
-        self.transfer_wire = Counter("tbjax_kv_transfer_compressed_bytes",
-                                     "KV bytes moved between workers, as sent (after the codec)", registry=r)
-        self.info = Gauge("tbjax_server_info", "Constant 1, labelled with the server's role", ["role"], registry=r)
+        self.prefix_queries = counter("tbjax_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("tbjax_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.transfer_raw = counter("tbjax_kv_transfer_raw_bytes", "KV bytes moved between workers, before the codec")
+        self.transfer_wire = counter("tbjax_kv_transfer_compressed_bytes",
+                                     "KV bytes moved between workers, as sent (after the codec)")
+        self.info = gauge("tbjax_server_info", "Constant 1, labelled with the server's role", ["role"])
         self.info.labels(role=role).set(1)
-        self.xla_compiles = Counter("tbjax_xla_compiles", "XLA compiles (persistent-cache loads included) of this "
-                                    "server's process and its engine process", registry=r)
-        self.xla_compile_seconds = Histogram("tbjax_xla_compile_seconds", "Duration of each XLA compile",
-                                             buckets=_COMPILE_BUCKETS, registry=r)
-        self.ready = Gauge("tbjax_ready", "1 once every program is compiled and the server serves, else 0",
-                           registry=r)
+        self.xla_compiles = counter("tbjax_xla_compiles", "XLA compiles (persistent-cache loads included) of this "
+                                    "server's process and its engine process")
+        self.xla_compile_seconds = histogram("tbjax_xla_compile_seconds", "Duration of each XLA compile",
+                                             buckets=_COMPILE_BUCKETS)
+        self.ready = gauge("tbjax_ready", "1 once every program is compiled and the server serves, else 0")
         # speculative decoding (tbjax/engine/speculative.py; zero when it is off), after vLLM's spec_decode names
-        self.spec_draft_tokens = Counter("tbjax_spec_decode_num_draft_tokens", "Draft tokens proposed and verified",
-                                         registry=r)
-        self.spec_accepted_tokens = Counter("tbjax_spec_decode_num_accepted_tokens",
-                                            "Draft tokens the target accepted", registry=r)
-        self.spec_emitted_tokens = Counter("tbjax_spec_decode_num_emitted_tokens",
-                                           "Tokens emitted by verify steps (accepted drafts + one sampled each)",
-                                           registry=r)
-        self.spec_drafts = Counter("tbjax_spec_decode_num_drafts", "Verified draft runs (one per sequence and step)",
-                                   registry=r)
-        self.spec_acceptance = Gauge("tbjax_spec_decode_acceptance_rate", "Accepted / proposed draft tokens (since "
-                                     "the engine started)", registry=r)
-        self.spec_tokens_per_step = Gauge("tbjax_spec_decode_tokens_per_step", "Mean tokens a sequence gains per "
-                                          "verify step (1 + accepted drafts)", registry=r)
-        self.spec_draft_pages = Gauge("tbjax_spec_decode_draft_kv_pages_used", "Draft KV ring pages held (one ring "
-                                      "per running sequence)", registry=r)
+        self.spec_draft_tokens = counter("tbjax_spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+        self.spec_accepted_tokens = counter("tbjax_spec_decode_num_accepted_tokens",
+                                            "Draft tokens the target accepted")
+        self.spec_emitted_tokens = counter("tbjax_spec_decode_num_emitted_tokens",
+                                           "Tokens emitted by verify steps (accepted drafts + one sampled each)")
+        self.spec_drafts = counter("tbjax_spec_decode_num_drafts", "Verified draft runs (one per sequence and step)")
+        self.spec_acceptance = gauge("tbjax_spec_decode_acceptance_rate", "Accepted / proposed draft tokens (since "
+                                     "the engine started)")
+        self.spec_tokens_per_step = gauge("tbjax_spec_decode_tokens_per_step", "Mean tokens a sequence gains per "
+                                          "verify step (1 + accepted drafts)")
+        self.spec_draft_pages = gauge("tbjax_spec_decode_draft_kv_pages_used", "Draft KV ring pages held (one ring "
+                                      "per running sequence)")
         self._totals_last: dict[str, float] = {}
         self._http = None
         self._lock = threading.Lock()

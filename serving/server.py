@@ -561,7 +561,7 @@ class Server:
         self.limits = limits or Limits()
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.role = role
-        self.metrics = ServerMetrics(role)
+        self.metrics = ServerMetrics(role, model_name=model.name)
         self.pd_service = None
         self.engine_in_child = engine_factory is not None
         if role == "router":

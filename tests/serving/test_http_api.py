@@ -82,7 +82,8 @@ def test_models_health_metrics(fast):
     assert _get(st.server.http_url + "/health") == (200, '{"status":"ok"}')
     oa.completions.create(model="fake", prompt=[30, 31], max_tokens=3, temperature=0)
     code, text = _get(st.server.http_url + "/metrics")
-    assert code == 200 and "tbjax_requests_total" in text and "tbjax_time_to_first_token_seconds" in text
+    assert code == 200 and 'tbjax_requests_total{model_name="fake",outcome="length"}' in text
+    assert 'tbjax_time_to_first_token_seconds_count{model_name="fake"}' in text
     code, body = _get(st.server.http_url + "/v1/nothing")
     assert code == 404 and json.loads(body)["error"]["message"].startswith("no route")
 

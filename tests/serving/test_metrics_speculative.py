@@ -5,13 +5,13 @@ from serving.metrics import ServerMetrics
 
 def _value(m, name):
     for line in m.text().splitlines():
-        if line.startswith(name + " "):
+        if line.startswith(name + '{model_name="m"} '):
             return float(line.split()[1])
     raise KeyError(name)
 
 
 def test_spec_counters_follow_engine_totals():
-    m = ServerMetrics()
+    m = ServerMetrics(model_name="m")
     m.update_engine({"spec_draft_tokens": 12, "spec_accepted_tokens": 9, "spec_emitted_tokens": 13,
                      "spec_verify_entries": 4, "spec_acceptance_rate": 0.75, "spec_tokens_per_step": 3.25,
                      "spec_draft_pages_used": 18})

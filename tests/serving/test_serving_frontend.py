@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.api import pb
 from serving.client import Client
@@ -179,6 +180,19 @@ def test_request_id_echoed_and_duplicates_refused(fast):
     assert c.generate("Hi", request_id="dup-1", max_tokens=2).request_id == "dup-1"   # free again
 
 
+def _series(text: str, model_name: str) -> dict:
+    """Prometheus text by series (``name{label="v",...}``), keyed without the label ``model_name``, which every sample
+    must carry with the served name."""
+    vals = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == model_name, s
+            own = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            vals[s.name + (f"{{{own}}}" if own else "")] = s.value
+    return vals
+
+
 def test_metrics_endpoint(fast):
     st, c = fast
     before = st.server.metrics.ttft._sum.get(), st.server.metrics.output_tokens._value.get()
@@ -187,11 +201,7 @@ def test_metrics_endpoint(fast):
         c.generate(token_ids=[50 + i], max_tokens=5, temperature=0, ignore_eos=True)
     port = st.server.bound_metrics_port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    vals = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            vals[k] = float(v)
+    vals = _series(body, "fake")
     assert vals["tbjax_generation_tokens_total"] - before[1] == 5 * n_req
     for name in ("tbjax_time_to_first_token_seconds_count", "tbjax_time_per_output_token_seconds_count",
                  "tbjax_inter_token_latency_seconds_count", 'tbjax_request_phase_seconds_count{phase="queue"}',

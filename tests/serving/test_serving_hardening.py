@@ -220,7 +220,8 @@ def test_limits_4_4_admit_4_running_and_4_waiting():
             assert [t for r in w for t in r.token_ids] == reference([30 + i], 3)[0]
         assert st.run_coro(_counts(sv)) == (0, 0)
         text = st.server.metrics.text()
-        assert "tbjax_requests_queued 0.0" in text and "tbjax_requests_inflight 0.0" in text
+        assert 'tbjax_requests_queued{model_name="fake"} 0.0' in text
+        assert 'tbjax_requests_inflight{model_name="fake"} 0.0' in text
 
 
 def test_waiting_request_cancelled_or_expired_leaves_the_queue():
@@ -261,11 +262,14 @@ def test_model_info_reports_the_prompt_limit_the_kv_pool_allows():
 
 # -- KV gauges -------------------------------------------------------------------------------------------------
 def _gauges(text: str) -> dict:
+    """The tbjax_kv_pages_* gauges of the fake model, by name."""
     out = {}
     for line in text.splitlines():
         if line.startswith("tbjax_kv_pages_"):
             k, v = line.split()
-            out[k] = float(v)
+            name, labels = k.split("{", 1)
+            assert labels == 'model_name="fake"}', k
+            out[name] = float(v)
     return out
 
 

@@ -32,7 +32,7 @@ DTYPE = "bfloat16"
 async def receiver_server(num_pages=32, timeout_s=5.0, page_shape=PAGE_SHAPE, **kw):
     pool = ArrayPagePool(num_pages, page_shape, DTYPE)
     events = {"ready": [], "failed": []}
-    metrics = ServerMetrics("decode")
+    metrics = ServerMetrics("decode", model_name="m")
     rx = KVReceiver(pool, page_dtype=DTYPE, page_shape=page_shape, timeout_s=timeout_s, metrics=metrics,
                     on_ready=lambda r, p, n: events["ready"].append((r, p, n)),
                     on_failed=lambda r, why: events["failed"].append((r, why)), **kw)

@@ -118,8 +118,8 @@ def test_tls_and_api_key_grpc_and_http(tmp_path):
         with pytest.raises(urllib.error.URLError):        # the certificate is checked: an untrusting client fails
             urllib.request.urlopen(url + "/health", timeout=10, context=ssl.create_default_context())
         text = st.server.metrics.text()
-        assert 'tbjax_requests_rejected_total{code="UNAUTHENTICATED"}' in text
-        assert 'tbjax_requests_rejected_total{code="HTTP_401"}' in text
+        assert 'tbjax_requests_rejected_total{code="UNAUTHENTICATED",model_name="fake"}' in text
+        assert 'tbjax_requests_rejected_total{code="HTTP_401",model_name="fake"}' in text
 
 
 def test_api_key_without_tls_and_reflection_off():

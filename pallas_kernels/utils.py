@@ -1,10 +1,15 @@
 """Small helpers every layer may import (pallas_kernels and sharding sit below tbjax and serving).
 
 One spelling each of idioms the code base used to write out by hand: rounding up to a multiple or a power of
-two, checking that a value is a real int (bool is an int to Python, never to us), and the device's SM count.
+two, checking that a value is a real int (bool is an int to Python, never to us) or a real number, the device's
+kind and SM count, and the tables of tuned kernel parameters (`TuningTable`: one row per device kind, overridden for
+a block of code by a context manager instead of by patching module globals).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import numbers
 
 
@@ -31,6 +36,11 @@ def is_int(v, numpy: bool = False) -> bool:
     return isinstance(v, numbers.Integral) if numpy else isinstance(v, int)
 
 
+def is_number(v) -> bool:
+    """An int or a float and not a bool (a JSON number)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def check_int(what: str, v, lo: int | None = None, hi: int | None = None, exc: type[Exception] = ValueError,
               numpy: bool = False) -> int:
     """v itself when it is an int (not a bool; numpy: numpy integers too) within [lo, hi] (either bound may be
@@ -53,3 +63,47 @@ def device_sm_count(default: int = 132) -> int:
     except Exception:  # noqa: BLE001 - device query is best effort
         pass
     return default
+
+
+def device_kind(default: str = "default") -> str:
+    """`jax.Device.device_kind` of the first device ("NVIDIA H200", "TPU v5 lite", "cpu"), or `default` when there
+    is no backend."""
+    try:
+        import jax
+
+        return jax.devices()[0].device_kind
+    except Exception:  # noqa: BLE001 - no backend: the caller's default
+        return default
+
+
+class TuningTable:
+    """Tuned parameters of one kernel family as data: rows (frozen dataclasses of one type) keyed by device kind,
+    with a "default" row for kinds not in the table.
+
+    `current()` is the row of this process's device kind, or the row an enclosing `override(**fields)` block put in
+    force (a context variable: threads and tasks see their own). Kernels read `current()` when they are traced and
+    pass what they use as static arguments, so an override is never hidden by a cached trace.
+    """
+
+    def __init__(self, name: str, rows: dict):
+        if "default" not in rows or len({type(r) for r in rows.values()}) != 1:
+            raise ValueError(f"{name}: the rows need a 'default' and one dataclass type, got {rows!r}")
+        self.rows = rows
+        self._override: contextvars.ContextVar = contextvars.ContextVar(name, default=None)
+
+    def row(self, kind: str | None = None):
+        """The table's row for `kind` (default: this process's device kind), ignoring overrides."""
+        return self.rows.get(device_kind() if kind is None else kind, self.rows["default"])
+
+    def current(self):
+        o = self._override.get()
+        return o if o is not None else self.row()
+
+    @contextlib.contextmanager
+    def override(self, **fields):
+        """Within the block, `current()` returns the current row with `fields` replaced (unknown names raise)."""
+        token = self._override.set(dataclasses.replace(self.current(), **fields))
+        try:
+            yield self._override.get()
+        finally:
+            self._override.reset(token)

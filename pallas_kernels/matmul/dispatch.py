@@ -17,11 +17,10 @@ import logging
 
 import jax
 
-from pallas_kernels.matmul import gpu, reference, tpu
+from pallas_kernels.matmul import gpu, reference, tpu, tuning
 
 log = logging.getLogger(__name__)
 IMPLS = ("auto", "reference", "gpu", "tpu", "xla")
-INTERPRET_SMS = 4  # grid size assumed when the GPU kernel runs in interpret mode (no GPU)
 _warned: set = set()
 
 
@@ -69,7 +68,7 @@ def kernel_unsupported_reason(x_TD, ws, scales=None) -> str | None:
     """Why the GPU kernel can't take x @ each of `ws` (one launch), or None if it can. For callers (the model) that
     prefer their own fallback (XLA dots) to the reference this dispatcher falls back to."""
     scales = list(scales) if scales is not None else [None] * len(ws)
-    nsm = None if jax.default_backend() == "gpu" else INTERPRET_SMS
+    nsm = None if jax.default_backend() == "gpu" else tuning.current().interpret_sms
     c, why = gpu.plan_for(x_TD, list(ws), scales, None, nsm)
     return None if c is not None else why
 
@@ -90,9 +89,9 @@ def decode_matmul(x_TD, w_DF, *, w_scale=None, layer=None, impl: str = "auto", c
     chosen = _pick(impl)
     if chosen == "gpu":
         on_gpu = jax.default_backend() == "gpu"
-        nsm = None if on_gpu else INTERPRET_SMS
+        nsm = None if on_gpu else tuning.current().interpret_sms
         c, why = gpu.plan_for(x_TD, [w_DF], [w_scale], cfg, nsm)
-        if c is not None:     # one launch writes y itself where a fused mode measured faster (gpu.FUSED_DEFAULT)
+        if c is not None:     # one launch writes y itself where a fused mode measured faster (tuning.py: fused)
             return gpu.decode_matmul_gpu(x_TD, w_DF, w_scale=w_scale, layer=layer, cfg=cfg, num_sms=nsm,
                                          interpret=not on_gpu, out_dtype=out_dtype)
         if impl == "gpu":
@@ -123,7 +122,7 @@ def gate_up_silu(x_TD, w_gate_DF, w_up_DF, *, gate_scale=None, up_scale=None, la
     chosen = _pick(impl)
     if chosen == "gpu":
         on_gpu = jax.default_backend() == "gpu"
-        nsm = None if on_gpu else INTERPRET_SMS
+        nsm = None if on_gpu else tuning.current().interpret_sms
         ws, ss = [w_gate_DF, w_up_DF], [gate_scale, up_scale]
         c, why = gpu.plan_for(x_TD, ws, ss, cfg, nsm)
         if c is not None:

@@ -28,7 +28,7 @@ the H200's ~4.3. This kernel is built only to stream:
   pipeline step brings the same tile of each, and each has its own accumulator.
 
 * One launch instead of kernel + epilogue (gpu_fused.py): decode_matmul_gpu / gate_up_silu_gpu /
-  partial_products take `fused=` ("default" = FUSED_DEFAULT = "auto"): there the kernel itself
+  partial_products take `fused=` ("default" = the tuning row's `fused`, "auto"; tuning.py): there the kernel itself
   finishes each F tile and writes the final [T, F] (cast, gate/up SiLU*mul, transposed in the
   kernel). "direct" (no split over D, whole F tiles per CTA) is taken where it measured faster
   (gpu_fused.auto_mode); "sem" (this stream-K split, partials combined by the tile's owner CTA
@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.matmul import gpu_fused, gpu_ws
+from pallas_kernels.matmul import gpu_fused, gpu_ws, tuning
 from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, block_scale_reader,
                                               body_refs, in_specs, kernel_args, launch, num_sms_default, padded_t,
                                               pipeline_stages, pipeline_step, slots_of_runs, split_operands,
@@ -67,7 +67,7 @@ from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 __all__ = ["MAX_T", "SMEM_LIMIT", "X_SHIFT", "Plan", "TileConfig", "padded_t", "unsupported_reason", "make_plan",
            "auto_config", "plan_for", "raw_partials", "reduce_partials", "fused_mode", "partial_products",
-           "decode_matmul_gpu", "gate_up_silu_gpu", "num_sms_default", "FUSED_DEFAULT"]
+           "decode_matmul_gpu", "gate_up_silu_gpu", "num_sms_default"]
 
 def make_plan(d: int, f: int, t: int, n_mats: int, w_itemsize: int, cfg: TileConfig,
               num_sms: int) -> Plan:
@@ -159,35 +159,31 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
 
 
 def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scaled: bool,
-                num_sms: int) -> TileConfig | None:
+                num_sms: int, tun: tuning.MatmulTuning | None = None) -> TileConfig | None:
     """Tile sizes for a problem, or None if no tiling fits (registers, SMEM, divisibility).
 
     The running sums live in registers: n_mats * tile_f * Tp / 128 float32 per thread, kept
     <= 128. Among the D steps that divide D, pick the one with the most weight bytes in flight
-    ((stages - 1) * weight bytes per stage), preferring larger steps on ties.
-
-    bf16 at 32 <= Tp <= 64 prefers tile_f = 64: each CTA then covers twice the D range per F
-    tile, so its float32 partials (n_CTAs x tile_f x Tp x 4 bytes, written then re-read by the
-    epilogue) halve; measured +5-12% on the <= 50 MB matrices at T = 32/64 in one run (RESULTS.md),
-    neutral on 4096x28672; at T = 128 it was slower (not preferred there). fp8 goes through f16
-    (TileConfig defaults: 128-row conversion rounds, 8-bit load layout), 1.25-1.5x the bf16-folding
-    path in one run, and exact. fp8 with block scales at Tp = 8 (T <= 8), one matrix, F % 256 == 0
-    takes the warp-specialized kernel with two compute warpgroups over a 256-row F tile (+5-13%
-    over the single warpgroup in the same run on 4096x4096 and 4096x28672).
+    ((stages - 1) * weight bytes per stage), preferring larger steps on ties. The preferences (the
+    64-row F tile of bf16 at mid T, the warp-specialized fp8 tiling) are the tuning row's (`tun`, default
+    tuning.current(); tuning.py says what was measured). fp8 goes through f16 (TileConfig defaults: 128-row
+    conversion rounds, 8-bit load layout), 1.25-1.5x the bf16-folding path in one run, and exact.
     """
+    tun = tuning.current() if tun is None else tun
     tp = padded_t(t)
     fp8 = w_itemsize == 1
-    if fp8 and block_scaled and n_mats == 1 and tp == 8 and f % 256 == 0 and d % 128 == 0:
-        ws = TileConfig(tile_d=128, tile_f=256, n_wg=2, smem_budget=224 * 1024)
+    if (fp8 and block_scaled and n_mats == 1 and tp == tun.ws_tp and f % tun.ws_tile_f == 0
+            and d % tun.ws_tile_d == 0):
+        ws = TileConfig(tile_d=tun.ws_tile_d, tile_f=tun.ws_tile_f, n_wg=tun.ws_n_wg, smem_budget=tun.ws_smem_budget)
         plan = make_plan(d, f, t, n_mats, w_itemsize, ws, num_sms)
         if plan.stages >= min(2, plan.n_per):
             return ws
-    pref_f = 64 if (not fp8 and 32 <= tp <= 64) else None
+    pref_f = 64 if tun.narrow_f(tp, fp8) else None
     best, best_key = None, None
-    for tile_f in (128, 64):
+    for tile_f in tun.tiles_f:
         if f % tile_f or n_mats * tile_f * tp // 128 > 128:
             continue
-        for tile_d in (256, 128, 64):
+        for tile_d in tun.tiles_d:
             if d % tile_d or (block_scaled and tile_d % BLOCK):
                 continue
             cfg = TileConfig(tile_d=tile_d, tile_f=tile_f)
@@ -273,11 +269,12 @@ def reduce_partials(part, plan: Plan, t: int):
 def fused_mode(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, interpret: bool,
                fused="default", silu_mul: bool = False, out_dtype=None) -> str | None:
     """The one-launch kernel mode (gpu_fused.py) to use for these operands, or None for the partials + XLA
-    epilogue path. fused: "default" (FUSED_DEFAULT), None/"off", "direct", "sem" or "auto". A mode the fused
+    epilogue path. fused: "default" (the tuning row's `fused`, tuning.py), None/"off", "direct", "sem" or
+    "auto". A mode the fused
     kernel can't take (per-channel scales, n_wg > 1, a tiling that doesn't fit, "sem" in interpret mode,
     which has no global semaphores) falls back: "sem" -> "direct" -> None."""
     if fused == "default":
-        fused = FUSED_DEFAULT
+        fused = tuning.current().fused
     if fused in (None, "off"):
         return None
     t = x_TD.shape[0]
@@ -300,12 +297,6 @@ def fused_mode(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, in
         if c is not None:
             return mode
     return None
-
-
-# The one-launch kernel (gpu_fused.py) for decode_matmul_gpu / gate_up_silu_gpu / partial_products when the
-# caller passes no `fused=`: "auto" = gpu_fused.auto_mode's measured per-shape choice between its "direct"
-# mode and the float32 partials + XLA epilogue kernel above (None would always take the latter).
-FUSED_DEFAULT: str | None = "auto"
 
 
 def partial_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = None,

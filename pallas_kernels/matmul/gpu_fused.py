@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.matmul import gpu_blocks as blocks
+from pallas_kernels.matmul import tuning
 from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, Plan, TileConfig, at_layer, block_scale_reader, in_specs,
                                               kernel_args, launch, padded_t, pipeline_stages, pipeline_step,
                                               slots_of_runs, split_operands, stage_bytes, stream_k_maps,
@@ -270,21 +271,24 @@ def plan_for(x_TD, ws, scales, cfg: TileConfig | None, num_sms: int | None, fz: 
     return cfg, plan
 
 
-def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode) -> TileConfig | None:
-    """"direct" prefers tile_f 64 (twice the CTAs of 128 on a small F); "sem" takes gpu.auto_config's tiles
-    (f16 path, one warpgroup) when they fit the extra SMEM, else the largest tile_d that does."""
+def auto_config(t, d, f, n_mats, w_itemsize, block_scaled, num_sms, mode,
+                tun: tuning.MatmulTuning | None = None) -> TileConfig | None:
+    """"direct" takes the tuning row's direct_tiles_f order (64 first: twice the CTAs of 128 on a small F); "sem"
+    takes gpu.auto_config's tiles (f16 path, one warpgroup) when they fit the extra SMEM, else the largest tile_d
+    that does. `tun`: the tuning row (default tuning.current())."""
+    tun = tuning.current() if tun is None else tun
     tp = padded_t(t)
     fp8 = w_itemsize == 1
-    tiles_f = (64, 128) if mode == "direct" else (128, 64)
-    if mode == "sem" and not fp8 and 32 <= tp <= 64:
-        tiles_f = (64, 128)
+    tiles_f = tun.direct_tiles_f if mode == "direct" else tun.tiles_f
+    if mode == "sem" and tun.narrow_f(tp, fp8):
+        tiles_f = sorted(tun.tiles_f, key=lambda v: v != 64)
     for tile_f in tiles_f:
         if f % tile_f or n_mats * tile_f * tp // 128 > 128:
             continue
         if block_scaled and tile_f > BLOCK:
             continue
         best, best_key = None, None
-        for tile_d in (256, 128, 64):
+        for tile_d in tun.tiles_d:
             if d % tile_d or (block_scaled and tile_d % BLOCK):
                 continue
             cfg = TileConfig(tile_d=tile_d, tile_f=tile_f)
@@ -325,23 +329,22 @@ def fused_products(x_TD, ws, scales, *, layer=None, cfg: TileConfig | None = Non
 
 
 
-def auto_mode(t: int, d: int, f: int, n_mats: int, w_itemsize: int, num_sms: int) -> str | None:
-    """fused="auto" (gpu.FUSED_DEFAULT): "direct" where it measured faster than the partials + epilogue kernel in
-    two H200 runs (RESULTS.md "Decode matmuls"), else None (that kernel). bf16: "direct" gained where
-    its whole-tile runs still occupy >= 70% of the SMs -- the gate/up pair (112 CTAs) +3..10% at T = 1 and
-    +17..25% at T = 32/64, qkv (96 CTAs) +4% / +31% at T = 1 / 64, 2048x7168 (112 CTAs) +15..23% at T <= 8 --
-    and lost with few CTAs (7168x2048: 32 CTAs, -20..-53%) or short runs with many x rows (2048x7168 at T = 32:
-    -16%). With 64 CTAs (o 4096x4096, down 14336x4096) the two runs disagreed (-12..+21%, run-to-run spread of
-    ~10% on a 14 us call): not taken. Hence busy >= 70% and (Tp <= 8 or D >= 4096), T <= 64 (T = 128 not
-    measured). fp8: "direct" was 0.65-0.78x the default (the warp-specialized kernel at T <= 8) on o -> None.
-    ("sem" measured 0.9-1.06x the partials path: opt-in only.)"""
-    if w_itemsize != 2 or padded_t(t) > 64:
+def auto_mode(t: int, d: int, f: int, n_mats: int, w_itemsize: int, num_sms: int,
+              tun: tuning.MatmulTuning | None = None) -> str | None:
+    """fused="auto" (the tuning row's default): "direct" where it measured faster than the partials + epilogue
+    kernel in two H200 runs, else None (that kernel): bf16 at Tp <= direct_max_tp whose whole-tile runs occupy
+    >= direct_min_busy of the SMs, at Tp <= direct_short_tp or D >= direct_min_d (tuning.py has the
+    measurements). fp8 never ("direct" was 0.65-0.78x the warp-specialized kernel); "sem" measured 0.9-1.06x the
+    partials path: opt-in only."""
+    tun = tuning.current() if tun is None else tun
+    tp = padded_t(t)
+    if w_itemsize != 2 or tp > tun.direct_max_tp:
         return None
-    cfg = auto_config(t, d, f, n_mats, w_itemsize, False, num_sms, "direct")
+    cfg = auto_config(t, d, f, n_mats, w_itemsize, False, num_sms, "direct", tun)
     if cfg is None:
         return None
     plan = make_plan(d, f, t, n_mats, w_itemsize, cfg, num_sms, "direct", 4)
     busy = plan.n_ctas / max(1, num_sms)
-    if busy >= 0.7 and (padded_t(t) <= 8 or d >= 4096):
+    if busy >= tun.direct_min_busy and (tp <= tun.direct_short_tp or d >= tun.direct_min_d):
         return "direct"
     return None

@@ -56,8 +56,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.utils import device_sm_count
-
 from . import common, gpu_fp8, tuning
 from .work_items import gather_item_rows, ragged_work_items, tile_major_q  # noqa: F401 (gpu.* names)
 from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, decode_program, issue_block_tmas,
@@ -101,6 +99,7 @@ class KernelConfig:
   extra: int = 0  # worklist: extra chunk programs per kv head (items 0..extra-1; items extra.. are the S homes)
   wave: int = 0  # worklist: programs per kv head that fill one wave (the run-time chunking target)
   forced: int = 0  # worklist: > 0 cuts every live sequence into min(forced, its blocks) chunks (tests, tuning)
+  detect_races: bool = False  # interpret mode: the GPU interpreter's race detector (tuning.py detect_races)
 
   @property
   def R(self):  # q rows loaded per program (decode)
@@ -152,21 +151,20 @@ def smem_bytes(BK, H, stages, fp8, p_via_smem=False, qk8=False):
   return q + max(ring, out) + 1024
 
 
-def choose_block(G: int, H: int, fp8: bool, ragged: bool = False, qk8: bool = False) -> tuple[int, int]:
-  """(BK tokens per step, stages) of the one-warpgroup kernel, from the H200 runs (benchmarks/RESULTS.md).
-
-  bf16 decode: 64-token steps x 2 stages (~81 KiB of shared memory, two CTAs per SM, so one CTA's prologue and
-  epilogue overlap the other's streaming): with the "waves" split policy 78-105% of the copy ceiling from
-  batch 8 x 1k up, where 128 x 2 (one CTA per SM) gave 59-104%. Ragged prefill keeps 128 x 2.
+def choose_block(G: int, H: int, fp8: bool, ragged: bool = False, qk8: bool = False,
+                 tun: tuning.GpuAttentionTuning | None = None) -> tuple[int, int]:
+  """(BK tokens per step, stages) of the one-warpgroup kernel: the tuning row's (`tun`, default the row in force;
+  tuning.py: decode_block, ragged_block, fp8_inline_stages), fewer stages where they don't fit shared memory.
   fp8 (inline conversion; decode normally runs the warp-specialized kernel, see gpu_fp8.choose_block_ws):
-  64-token steps, 3 stages.
+  64-token steps up to pages of 64, then one page (at most 128 tokens) per step.
   """
+  tun = tuning.current() if tun is None else tun
   if fp8:
-    BK, stages = (64 if G <= 64 else min(G, 128)), 3
+    BK, stages = (64 if G <= 64 else min(G, 128)), tun.fp8_inline_stages
   elif ragged:
-    BK, stages = 128, 2
+    BK, stages = tun.ragged_block
   else:
-    BK, stages = 64, 2
+    BK, stages = tun.decode_block
   while stages > 2 and smem_bytes(BK, H, stages, fp8, qk8=qk8) > SMEM_LIMIT:
     stages -= 1
   return BK, stages
@@ -513,10 +511,6 @@ def kernel_call(cfg: KernelConfig, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), sc
   return res[0] if cfg.final else res
 
 
-def _num_sms() -> int:  # a module function: tests patch it
-  return device_sm_count()
-
-
 def _row_maps(N, K, g):
   """For each query head n: (kv head, its row within the 64-row window the kernel loaded)."""
   k_of_n = np.arange(N) // g
@@ -540,8 +534,9 @@ def combine_splits(o_part, m_part, l_part, K, g):
 def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap, sliding_window,
                 sparse=False, out_dtype, splits=None, block_kv=None, stages=None, p_via_smem=False, ragged_tiles=0,
                 fp8_converters=None, split_policy=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None,
-                max_kv_len=None, work_list=None, ragged_waves=None):
-  """Static kernel description.
+                max_kv_len=None, work_list=None, ragged_waves=None, tun=None):
+  """Static kernel description. Tuned fields left None take the tuning row `tun` (default: the row in force,
+  tuning.current()).
 
   work_list (dense decode with one compute warpgroup; None = tuning.current().work_list): the split count is chosen at run time
   from the real lengths (decode_work_list); `splits` then forces every live sequence into that many chunks.
@@ -554,7 +549,8 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   g = N // K
   fp8 = common.is_fp8(pool_dtype)
   check_supported(N, K, G, H, out_dtype, pool_dtype)
-  tun = tuning.current()
+  tun = tuning.current() if tun is None else tun
+  sms = tuning.num_sms(tun)
   fp8_converters = tun.fp8_converters if fp8_converters is None else fp8_converters
   split_policy = tun.split_policy if split_policy is None else split_policy
   converters = int(fp8_converters) if (fp8 and not ragged_tiles) else 0
@@ -571,7 +567,7 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   if converters:
     BK, st = gpu_fp8.choose_block_ws(G, H, converters, compute_wgs, qk8)
   else:
-    BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles), qk8=qk8)
+    BK, st = choose_block(G, H, fp8, ragged=bool(ragged_tiles), qk8=qk8, tun=tun)
   BK = block_kv or BK
   stages = stages or st
   if BK % 64 or (G <= BK and BK % G) or (G > BK and G % BK):
@@ -600,7 +596,7 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
   if worklist:  # the split count is chosen at run time (decode_work_list); static: one wave's worth of extras
     if splits is not None and int(splits) < 1:
       raise ValueError(f"splits must be >= 1, got {splits}")
-    wave = max(1, _num_sms() * max(1, min(8, (228 * 1024) // (need + 1024))) // K)
+    wave = max(1, sms * max(1, min(8, (228 * 1024) // (need + 1024))) // K)
     forced = 0 if splits is None else int(splits)
     extra = wave if not forced else (forced - 1) * S
     splits = 1
@@ -608,11 +604,11 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
     splits = 1
     # Persistent ragged grid: up to `ragged_waves` (tuning.py) waves of programs (enough slack for the hardware scheduler to even
     # out unequal items), never more than the list holds.
-    slots = _num_sms() * max(1, min(8, (228 * 1024) // (need + 1024)))
+    slots = sms * max(1, min(8, (228 * 1024) // (need + 1024)))
     waves = tun.ragged_waves if ragged_waves is None else ragged_waves
     programs = max(1, min(ragged_tiles, common.cdiv(waves * slots, K)))
   elif splits is None:
-    splits = choose_splits(S * K, n_blocks, split_policy, need)
+    splits = choose_splits(S * K, n_blocks, split_policy, need, sms)
   steps = common.cdiv(n_blocks, splits)
   splits = common.cdiv(n_blocks, steps)
   if ragged_tiles:
@@ -623,10 +619,10 @@ def make_config(q_shape, pool_shape, pool_dtype, table_cols, *, scale, soft_cap,
                       soft_cap=None if soft_cap is None else float(soft_cap),
                       window=None if sliding_window is None else int(sliding_window), out_dtype=out_dtype,
                       p_via_smem=p_via_smem, converters=converters, fp8_bits=fp8_bits, compute_wgs=compute_wgs,
-                      qk8=qk8)
+                      qk8=qk8, detect_races=bool(tun.detect_races))
 
 
-def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
+def choose_splits(work: int, n_blocks: int, policy: str, smem: int, sms: int | None = None) -> int:
   """Split-K programs per (sequence, kv head).
 
   "sms2": enough programs for two per SM (the original heuristic). "waves": the split count minimizing
@@ -634,7 +630,7 @@ def choose_splits(work: int, n_blocks: int, policy: str, smem: int) -> int:
   last wave is not a sliver (e.g. batch 8 x 8 kv heads on 132 SMs: 2 splits = 128 programs = one wave, where
   "sms2" picked 5 = 320 programs = 2.4 waves of one CTA per SM).
   """
-  sms = _num_sms()
+  sms = tuning.num_sms() if sms is None else sms
   if policy == "sms2":
     return max(1, min(common.cdiv(2 * sms, work), n_blocks))
   if policy != "waves":
@@ -707,8 +703,8 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
                                interpret=False, fp8_converters=None, split_policy=None, fp8_convert=None,
                                fp8_compute_wgs=None, fp8_qk=None, max_kv_len=None, work_list=None):
   """Mosaic GPU decode attention (one query per sequence). Raises Unsupported for shapes it cannot run.
-  Tuned fields left None take the row in force (tuning.current()); they are static arguments of the jitted kernel
-  call, so a `tuning.override` is never hidden by a cached trace.
+  Tuned fields left None take the row in force (tuning.current()); the row, with the fields given here replaced,
+  is a static argument of the jitted kernel call, so a `tuning.override` is never hidden by a cached trace.
 
   Cost follows kv_lens, not the table width nor the number of slots: by default (work_list, tuning.current().work_list) each live
   sequence is cut at run time into chunks in proportion to its real length so that one wave of programs shares
@@ -725,30 +721,30 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
   fp8_qk: fp8 pools only; True = QK^T as an fp8 wgmma with q quantized per row to e4m3 (quantize_q_rows; only V
   is widened), False = exact f16 path.
   """
-  tun = tuning.current()
-  pick = lambda v, d: d if v is None else v   # noqa: E731
+  tun = row_with(fp8_converters=fp8_converters, split_policy=split_policy, fp8_convert=fp8_convert,
+                 fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk, work_list=work_list)
   return _paged_decode_attention_gpu(
       q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
       kv_scales_PK=kv_scales_PK, splits=splits, block_kv=block_kv, stages=stages, interpret=interpret,
-      fp8_converters=pick(fp8_converters, tun.fp8_converters), split_policy=pick(split_policy, tun.split_policy),
-      fp8_convert=pick(fp8_convert, tun.fp8_convert), fp8_compute_wgs=pick(fp8_compute_wgs, tun.fp8_compute_wgs),
-      fp8_qk=pick(fp8_qk, tun.fp8_qk), max_kv_len=max_kv_len, work_list=pick(work_list, tun.work_list))
+      max_kv_len=max_kv_len, tun=tun)
+
+
+def row_with(**fields) -> tuning.GpuAttentionTuning:
+  """The tuning row in force with the fields given (not None) replaced: the static row of one kernel call."""
+  given = {k: v for k, v in fields.items() if v is not None}
+  return dataclasses.replace(tuning.current(), **given) if given else tuning.current()
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "splits", "block_kv", "stages",
-                                             "interpret", "fp8_converters", "split_policy", "fp8_convert",
-                                             "fp8_compute_wgs", "fp8_qk", "max_kv_len", "work_list"))
+                                             "interpret", "max_kv_len", "tun"))
 def _paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, *, scale, soft_cap,
-                                sliding_window, kv_scales_PK, splits, block_kv, stages, interpret, fp8_converters,
-                                split_policy, fp8_convert, fp8_compute_wgs, fp8_qk, max_kv_len, work_list):
+                                sliding_window, kv_scales_PK, splits, block_kv, stages, interpret, max_kv_len, tun):
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=sliding_window)
   cfg = make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                            scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                            out_dtype=jnp.dtype(q_SNH.dtype).name, splits=splits, block_kv=block_kv, stages=stages,
-                           p_via_smem=interpret, fp8_converters=fp8_converters, split_policy=split_policy,
-                           fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk,
-                           max_kv_len=max_kv_len, work_list=work_list)
+                           p_via_smem=interpret, max_kv_len=max_kv_len, tun=tun)
   return _run_decode(cfg, q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, None, None, kv_scales_PK, interpret)
 
 
@@ -759,17 +755,18 @@ def paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_l
 
   Cost follows the work: rows of sequences at kv_len 0 (and padding rows) get no work item (zeros); an item
   reads only the kv blocks its rows can see; the tile-major copy of q is O(T) (ragged_work_items).
-  ragged_waves: persistent programs in waves; None = the tuning row's (a static argument of the jitted call)."""
+  ragged_waves: persistent programs in waves; None = the tuning row's (the row is a static argument of the jitted
+  call)."""
   return _paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, scale=scale,
                               soft_cap=soft_cap, sliding_window=sliding_window, kv_scales_PK=kv_scales_PK,
                               block_kv=block_kv, stages=stages, interpret=interpret,
-                              ragged_waves=tuning.current().ragged_waves if ragged_waves is None else ragged_waves)
+                              tun=row_with(ragged_waves=ragged_waves))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_kv", "stages",
-                                             "interpret", "ragged_waves"))
+                                             "interpret", "tun"))
 def _paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, *, scale, soft_cap,
-                         sliding_window, kv_scales_PK, block_kv, stages, interpret, ragged_waves):
+                         sliding_window, kv_scales_PK, block_kv, stages, interpret, tun):
   S, N, K, g, P, G, H = common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1,
                                             kv_scales_PK, soft_cap=soft_cap, sliding_window=sliding_window)
   T = q_TNH.shape[0]
@@ -779,7 +776,7 @@ def _paged_attention_gpu(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_
   cfg = make_config((S, N, H), kv_pages_PGKH.shape, kv_pages_PGKH.dtype, block_tables_SP.shape[1],
                     scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=sliding_window,
                     out_dtype=jnp.dtype(q_TNH.dtype).name, block_kv=block_kv, stages=stages, p_via_smem=interpret,
-                    ragged_tiles=NI, ragged_waves=ragged_waves)
+                    ragged_tiles=NI, tun=tun)
   q = tile_major_q(q_TNH, K, tq, NQ, ROWS, cfg.compute_dtype)  # [NQ, K, 64, H]: aligned TMA boxes
   o_items = kernel_call(cfg, q, kv_pages_PGKH, block_tables_SP, kv_lens_S, (info,), kv_scales_PK,
                         interpret=interpret)  # [NI, K, 64, H]; items without rows are never written

@@ -64,8 +64,6 @@ from . import common
 from .gpu_blocks import (M_INIT, ROWS, block_walk, column_positions, decode_program, issue_block_tmas,
                          online_softmax_step, page_columns, q_scratch, store_work_item, tiles, work_list_out_types)
 
-DETECT_RACES = False  # tests set it: the GPU interpreter then reports unsynchronized shared-memory accesses
-
 def staging_slots(converters, compute_wgs=1):
   """f16 staging slots (K and V each): at least 2 (conversion of one step overlaps the matmuls of the
   previous), and a multiple of the converter and compute warpgroup counts (slot f is always filled by
@@ -422,7 +420,8 @@ def kernel_call_ws(cfg, q, kv_pages_PGKH, bt, kv_lens_S, extra=(), scales=None, 
       num_threads=Q + converters,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=(plgpu.InterpretGPUParams(detect_races=DETECT_RACES) if DETECT_RACES else plgpu.InterpretGPUParams()) if interpret else None,
+      interpret=(plgpu.InterpretGPUParams(detect_races=True) if cfg.detect_races else plgpu.InterpretGPUParams())
+      if interpret else None,
   )
   res = call(q, kv_pages_PGKH, bt, kv_lens_S, *extra, scales, *([q_scales] if cfg.qk8 else []))
   return res[0] if cfg.final else res

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import common, gpu, reference, tpu
+from . import common, gpu, reference, tpu, tuning
 
 log = logging.getLogger("pallas_kernels.paged_attention")
 
@@ -162,7 +162,7 @@ def paged_sparse_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens
   try:
     if which.startswith("gpu"):
       out = _sparse_gpu(q_SNH, kv_pages_PGKH, phys, logical, count, kv_lens_S, interpret=which.endswith("interpret"),
-                        **kw)
+                        tun=tuning.current(), **kw)
     elif which.startswith("tpu"):
       out = tpu.decode_core(q_SNH, kv_pages_PGKH, phys, kv_lens_S, kv_scales_PK, count, logical, scale=scale,
                             soft_cap=soft_cap, interpret=which.endswith("interpret"))
@@ -173,13 +173,13 @@ def paged_sparse_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens
   return (out, (phys, logical, count)) if return_selection else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "interpret", "fp8_converters", "fp8_convert",
-                                             "fp8_compute_wgs", "fp8_qk"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "interpret", "tun"))
 def _sparse_gpu(q_SNH, kv_pages_PGKH, phys, logical, count, kv_lens_S, *, scale, soft_cap, kv_scales_PK, interpret,
-                fp8_converters=None, fp8_convert=None, fp8_compute_wgs=None, fp8_qk=None):
+                tun):
+  """The GPU kernel over the selected pages; `tun`: the tuning row of this call (static: an override is never
+  hidden by a cached trace)."""
   S, N, H = q_SNH.shape
   cfg = gpu.make_config(q_SNH.shape, kv_pages_PGKH.shape, kv_pages_PGKH.dtype, phys.shape[-1],
                         scale=common.default_scale(H, scale), soft_cap=soft_cap, sliding_window=None, sparse=True,
-                        out_dtype=jnp.dtype(q_SNH.dtype).name, p_via_smem=interpret, fp8_converters=fp8_converters,
-                        fp8_convert=fp8_convert, fp8_compute_wgs=fp8_compute_wgs, fp8_qk=fp8_qk)
+                        out_dtype=jnp.dtype(q_SNH.dtype).name, p_via_smem=interpret, tun=tun)
   return gpu._run_decode(cfg, q_SNH, kv_pages_PGKH, phys, kv_lens_S, count, logical, kv_scales_PK, interpret)

@@ -1,9 +1,10 @@
 """Tuned launch parameters of the Mosaic GPU paged-attention kernels, as data.
 
 One row per device kind (`jax.Device.device_kind`), each value with the measurement behind it; kinds not in the
-table take the "default" row. The kernels read `current()` when they are traced (every field can still be passed
-explicitly to `gpu.make_config` / `paged_decode_attention_gpu`); `override(**fields)` replaces fields for a block of
-code (tests, benchmark sweeps) without touching module state.
+table take the "default" row. The kernels' entry points read `current()` once per call and pass the row to the
+jitted kernel as a static argument (every field can still be passed explicitly to `gpu.make_config` /
+`paged_decode_attention_gpu`, which then replaces it in the row); `override(**fields)` replaces fields for a block
+of code (tests, benchmark sweeps) without touching module state.
 
 Fields:
   fp8_converters   converter warpgroups of the fp8 decode kernel (0: inline conversion). H200: 1 converter with
@@ -18,17 +19,24 @@ Fields:
   work_list        dense decode: the split count chosen at run time from the real lengths (gpu.decode_work_list).
                    Off: the static split over a table as wide as the engine's (8192 pages) measured as fast
                    (benchmarks/RESULTS.md, paged attention Run E).
+  decode_block     (kv tokens per step, stages) of the one-warpgroup bf16 decode kernel (gpu.choose_block): 64 x 2
+                   (~81 KiB of shared memory, two CTAs per SM) gave 78-105% of the copy ceiling from batch 8 x 1k
+                   up with the "waves" policy, where 128 x 2 (one CTA per SM) gave 59-104%.
+  ragged_block     the same for the ragged (prefill / mixed) kernel: 128 x 2.
+  fp8_inline_stages  stages of the one-warpgroup fp8 kernel (inline conversion; 64-token steps up to pages of 64).
+  num_sms          SMs the grid heuristics plan for; 0 = the device's count (utils.device_sm_count). Tests set it
+                   small to force several work items per persistent program.
+  detect_races     interpret mode only: the GPU interpreter reports unsynchronized shared-memory accesses of the
+                   warp-specialized fp8 kernel (a check, not a tuned value; off by default: slow).
 The measurements: benchmarks/RESULTS.md, "Paged attention" (runs A-E).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
-import jax
+from pallas_kernels.utils import TuningTable, device_sm_count
 
-__all__ = ["GpuAttentionTuning", "TABLE", "current", "override"]
+__all__ = ["GpuAttentionTuning", "TABLE", "current", "override", "num_sms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +48,11 @@ class GpuAttentionTuning:
   split_policy: str = "waves"
   ragged_waves: int = 4
   work_list: bool = False
+  decode_block: tuple[int, int] = (64, 2)
+  ragged_block: tuple[int, int] = (128, 2)
+  fp8_inline_stages: int = 3
+  num_sms: int = 0
+  detect_races: bool = False
 
 
 TABLE: dict[str, GpuAttentionTuning] = {
@@ -47,27 +60,12 @@ TABLE: dict[str, GpuAttentionTuning] = {
     "NVIDIA H200": GpuAttentionTuning(),          # every field above was measured on this kind
 }
 
-_override: contextvars.ContextVar = contextvars.ContextVar("paged_attention_tuning", default=None)
+_TABLE = TuningTable("paged_attention_tuning", TABLE)
+current = _TABLE.current
+override = _TABLE.override
 
 
-def _device_kind() -> str:
-  try:
-    return jax.devices()[0].device_kind
-  except Exception:  # noqa: BLE001 - no backend: the default row
-    return "default"
-
-
-def current() -> GpuAttentionTuning:
-  """The row of this process's first device kind (or "default"), with any active `override` applied."""
-  o = _override.get()
-  return o if o is not None else TABLE.get(_device_kind(), TABLE["default"])
-
-
-@contextlib.contextmanager
-def override(**fields):
-  """Within the block, `current()` returns the current row with `fields` replaced (unknown names raise)."""
-  token = _override.set(dataclasses.replace(current(), **fields))
-  try:
-    yield _override.get()
-  finally:
-    _override.reset(token)
+def num_sms(row: GpuAttentionTuning | None = None) -> int:
+  """The SM count the heuristics plan for: the row's (`current()` by default), else the device's."""
+  row = current() if row is None else row
+  return row.num_sms or device_sm_count()

@@ -21,30 +21,26 @@ import numpy as np
 
 from pallas_kernels.utils import next_pow2
 
-from . import escapes, framing, gpu, reference, tpu
+from . import escapes, framing, gpu, reference, tpu, tuning
 from .codebook import Codebook
-from .layout import (DEFAULT_CHUNK, DTYPES, MIN_CHUNK, ROWS, Encoded, Geometry, check_chunk,
-                     dtype_spec, payload_bytes, raw_bytes)
+from .layout import DTYPES, ROWS, Encoded, Geometry, check_chunk, dtype_spec, payload_bytes, raw_bytes
 
 IMPLS = ("auto", "numpy", "jnp", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
 KERNEL_IMPLS = ("gpu", "tpu", "gpu_interpret", "tpu_interpret")
 
-# Which path the dispatcher takes on GPU, by measurement on one H200 (1 GiB BF16 KV, see
-# benchmarks/RESULTS.md): encode kernel 1081 GB/s vs XLA-fused jnp 9.7 (512 without listing escapes),
-# decode kernel 1932 GB/s vs jnp 666.
-GPU_ENCODE_DEFAULT = "gpu"
-GPU_DECODE_DEFAULT = "gpu"
+
+def default_capacity(n_pad: int, tun: tuning.SplitZipTuning | None = None) -> int:
+    """Escape slots on device for n_pad elements: the tuning row's share (1/512 of the elements), at least its
+    minimum (1024), a power of two. `tun`: the row (default tuning.current())."""
+    tun = tuning.current() if tun is None else tun
+    return next_pow2(n_pad // tun.capacity_per, tun.capacity_min)
 
 
-def default_capacity(n_pad: int) -> int:
-    """Escape slots on device: 1/512 of the elements (real KV escapes ~1/1700), at least 1024."""
-    return next_pow2(n_pad // 512, 1024)
-
-
-def choose_chunk(n: int) -> int:
-    """Chunk size for n elements when the caller names none: 8192 (fewer counts, the fast kernel
-    shape) for large tensors, 1024 below 2**20 elements so that padding the last chunk stays small."""
-    return DEFAULT_CHUNK if n >= (1 << 20) else MIN_CHUNK
+def choose_chunk(n: int, tun: tuning.SplitZipTuning | None = None) -> int:
+    """Chunk size for n elements when the caller names none: the tuning row's large chunk (8192) from 2**20
+    elements up, its small one (1024) below."""
+    tun = tuning.current() if tun is None else tun
+    return tun.chunk_large if n >= tun.chunk_large_from else tun.chunk_small
 
 
 def _platform(x) -> str:
@@ -64,7 +60,8 @@ def resolve_impl(impl: str, x, dtype_name: str, op: str = "encode") -> str:
         if dtype_name != "bfloat16":
             return "jnp"
         if plat == "gpu":
-            return GPU_ENCODE_DEFAULT if op == "encode" else GPU_DECODE_DEFAULT
+            tun = tuning.current()
+            return tun.gpu_encode if op == "encode" else tun.gpu_decode
         if plat == "tpu":
             return "tpu"
         return "jnp"
@@ -98,7 +95,7 @@ def _encode_device(x, *, cb: Codebook, chunk: int, impl: str, capacity: int, cap
     geo = Geometry(x.size, chunk)
     nch, w = geo.num_chunks, geo.lanes
     u = reference.to_bits(x, spec, cb, geo)
-    o = dict(opts)
+    o = {**tuning.current().encode_opts(), **dict(opts)}   # encode() passes every option: no trace hides a row
     if impl == "jnp":
         sm_words, code_words, counts, e, esc = reference.dense_encode_jnp(u, spec, cb, geo)
         n_esc = jnp.sum(counts)
@@ -110,14 +107,14 @@ def _encode_device(x, *, cb: Codebook, chunk: int, impl: str, capacity: int, cap
         return sm_words, code_words, counts, pos, val, n_esc, status, jnp.int32(0)
     u3 = u.reshape(nch, ROWS, w)
     if impl in ("gpu", "gpu_interpret"):
-        slots = o.get("slots", 16)
-        kern = gpu.encode_kernel(nch, w, cb, lookup=o.get("lookup", "auto"), slots=slots,
-                                 group=o.get("group", 1), interpret=impl == "gpu_interpret")
+        slots = o["slots"]
+        kern = gpu.encode_kernel(nch, w, cb, lookup=o["lookup"], slots=slots, group=o["group"],
+                                 interpret=impl == "gpu_interpret")
         sm_words, code_words, stats, slot_arr = kern(u3)
         counts, lanes_hit = stats & 0xFFFF, stats >> 16
         slot_arr = slot_arr if slots else None
     else:
-        kern = tpu.encode_kernel(nch, w, cb, lookup=o.get("lookup", "auto"),
+        kern = tpu.encode_kernel(nch, w, cb, lookup=o["lookup"],
                                  interpret=impl == "tpu_interpret")
         smw2, code_words, cnt = kern(u.reshape(nch * ROWS, w))
         sm_words = smw2.reshape(nch, 2, w)
@@ -146,12 +143,13 @@ def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int | None =
     chunk: a power of two in [1024, 32768]; None picks by size (choose_chunk).
     Returns an Encoded whose arrays live on the device for device impls (escape arrays padded to a
     static capacity; `n_esc` is exact) and on the host for impl="numpy". allow_raw=False keeps the
-    split format even when it is larger than raw (tests). Kernel options (GPU):
-    lookup="auto"|"range"|"chain", slots=int, group=int.
+    split format even when it is larger than raw (tests). Kernel options (GPU; they replace the tuning row's,
+    tuning.py): lookup="auto"|"range"|"chain", slots=int, group=int.
     """
+    tun = tuning.current()
     spec = _check_x(x)
     n = int(np.prod(x.shape, dtype=np.int64))
-    chunk = check_chunk(choose_chunk(n) if chunk is None else chunk)
+    chunk = check_chunk(choose_chunk(n, tun) if chunk is None else chunk)
     _check_cb(spec, codebook)
     impl = resolve_impl(impl, x, spec.name, "encode")
     geo = Geometry(n, chunk)
@@ -166,12 +164,12 @@ def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int | None =
             return _raw_encoded(x, spec, chunk, codebook, True)
         return enc
     x = jnp.asarray(x)
-    capacity = next_pow2(capacity, 1024) if capacity else default_capacity(geo.n_pad)
+    capacity = next_pow2(capacity, tun.capacity_min) if capacity else default_capacity(geo.n_pad, tun)
     if cap_rows is None:
         cap_rows = min(geo.num_chunks, 64)
     if impl in ("tpu", "tpu_interpret"):
         cap_rows = geo.num_chunks          # the TPU kernel lists no escapes itself
-    opts_t = tuple(sorted(opts.items()))
+    opts_t = tuple(sorted({**tun.encode_opts(), **opts}.items()))
     for attempt in range(2):
         out = _encode_device(x, cb=codebook, chunk=chunk, impl=impl, capacity=capacity,
                              cap_rows=cap_rows, opts=opts_t)
@@ -183,7 +181,7 @@ def encode(x, codebook: Codebook | None, impl: str = "auto", chunk: int | None =
         if attempt == 1:
             raise RuntimeError(f"splitzip: escape pass overflowed twice (status {status})")
         # Second try with room for every escape / every second-pass chunk.
-        capacity = max(capacity, next_pow2(n_esc, 1024))
+        capacity = max(capacity, next_pow2(n_esc, tun.capacity_min))
         cap_rows = min(geo.num_chunks, max(cap_rows, next_pow2(n_second)))
     sm_words, code_words, counts, pos, val = out[:5]
     return Encoded("split", spec.name, tuple(x.shape), chunk, n_esc=n_esc, sm_words=sm_words,
@@ -197,11 +195,11 @@ def _decode_device(sm_words, code_words, counts, esc_pos, esc_val, n_esc, *, cb,
     spec = DTYPES[dtype]
     geo = Geometry(int(np.prod(shape, dtype=np.int64)) if shape else 1, chunk)
     nch, w = geo.num_chunks, geo.lanes
-    o = dict(opts)
+    o = {**tuning.current().decode_opts(), **dict(opts)}   # decode() passes every option: no trace hides a row
     if impl == "jnp":
         u = reference.dense_decode_jnp(sm_words, code_words, spec, cb, geo)
     elif impl in ("gpu", "gpu_interpret"):
-        kern = gpu.decode_kernel(nch, w, cb, lut=o.get("lut", "swar"), group=o.get("group", 1),
+        kern = gpu.decode_kernel(nch, w, cb, lut=o["lut"], group=o["group"],
                                  interpret=impl == "gpu_interpret")
         u = kern(sm_words.reshape(nch, 2, w), code_words.reshape(nch, w)).reshape(-1)
     else:
@@ -227,7 +225,8 @@ def _check_enc(enc, codebook):
 
 
 def decode(enc: Encoded, codebook: Codebook | None, impl: str = "auto", **opts):
-    """Decode an Encoded back to its tensor (numpy for impl="numpy", else a jax.Array)."""
+    """Decode an Encoded back to its tensor (numpy for impl="numpy", else a jax.Array). GPU kernel options
+    (lut="swar"|"select", group=int) replace the tuning row's (tuning.py)."""
     _check_enc(enc, codebook)
     spec = DTYPES[enc.dtype]
     impl = resolve_impl(impl, enc.code_words if enc.kind == "split" else enc.raw, enc.dtype, "decode")
@@ -251,7 +250,7 @@ def decode(enc: Encoded, codebook: Codebook | None, impl: str = "auto", **opts):
                           jnp.asarray(enc.counts).astype(jnp.int32), jnp.asarray(pos).astype(jnp.int32),
                           jnp.asarray(val).astype(jnp.int32), jnp.int32(n_esc), cb=codebook,
                           dtype=enc.dtype, shape=tuple(enc.shape), chunk=enc.chunk, impl=impl,
-                          opts=tuple(sorted(opts.items())))
+                          opts=tuple(sorted({**tuning.current().decode_opts(), **opts}.items())))
 
 
 # ----------------------------------------------------------------------------------------------

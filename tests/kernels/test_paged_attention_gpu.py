@@ -57,9 +57,13 @@ def test_gpu_decode_fp8_matches_fp8_aware_reference(dtype, G):
     (1, jnp.float8_e4m3fn, 16, dict(fp8_compute_wgs=2, splits=2, sliding_window=170)),
     (1, jnp.float8_e5m2, 32, dict(fp8_compute_wgs=2, splits=1, soft_cap=5.0)),
 ])
-def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(monkeypatch, converters, dtype, G, kw):
+def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(converters, dtype, G, kw):
   """The converter/compute warpgroup kernel (gpu_fp8.py), run with the interpreter's race detector on."""
-  monkeypatch.setattr(gpu_fp8, "DETECT_RACES", True)
+  with tuning.override(detect_races=True):
+    _warp_specialized_matches_reference(converters, dtype, G, kw)
+
+
+def _warp_specialized_matches_reference(converters, dtype, G, kw):
   rng, seed = fresh_rng()
   q, kv, bt, lens, sc = random_decode(rng, S=3, K=2, g=4, H=64, G=G, Pmax=max(2, 320 // G), dtype=dtype)
   out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=converters,
@@ -78,15 +82,15 @@ def test_gpu_fp8_warp_specialized_matches_fp8_aware_reference(monkeypatch, conve
     # two compute warpgroups sharing the kread / ready / free protocol
     (1, jnp.float8_e4m3fn, 16, dict(fp8_compute_wgs=2, splits=2)),
 ])
-def test_gpu_fp8_qk_matches_reference_at_quantized_q(monkeypatch, converters, dtype, G, kw):
+def test_gpu_fp8_qk_matches_reference_at_quantized_q(converters, dtype, G, kw):
   """fp8_qk=True quantizes q per row to e4m3 (gpu.quantize_q_rows): the kernel must equal the fp8-aware reference
   evaluated at that quantized q (to the usual f16/bf16 tolerance), so its distance from the reference at the
   original q is the q rounding's own effect (bounded by |ref(q8) - ref(q)|) plus that tolerance."""
-  monkeypatch.setattr(gpu_fp8, "DETECT_RACES", converters > 0)
   rng, seed = fresh_rng()
   q, kv, bt, lens, sc = random_decode(rng, S=3, K=2, g=4, H=64, G=G, Pmax=max(2, 256 // G), dtype=dtype)
-  out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=converters,
-                                       fp8_qk=True, **kw)
+  with tuning.override(detect_races=converters > 0):
+    out = gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, interpret=True, fp8_converters=converters,
+                                         fp8_qk=True, **kw)
   for key in ("splits", "fp8_compute_wgs"):
     kw.pop(key, None)
   q8, s_q = gpu.quantize_q_rows(q)
@@ -203,7 +207,8 @@ def test_gpu_kernels_lower_for_cuda(dtype):
   U = 20
   phys, cnt = sd((S, K, U), jnp.int32), sd((S, K), jnp.int32)
   _lower_cuda(lambda q, kv, p, l, c, lens: sparse._sparse_gpu(q, kv, p, l, c, lens, scale=None, soft_cap=None,
-                                                              kv_scales_PK=sc, interpret=False),
+                                                              kv_scales_PK=sc, interpret=False,
+                                                              tun=tuning.current()),
               q, kv, phys, phys, cnt, lens)
 
 
@@ -463,11 +468,10 @@ def test_gpu_kernels_lower_for_cuda_with_a_wide_table(dtype):
 
 
 @pytest.mark.parametrize("dtype,kw", [(jnp.bfloat16, dict(sliding_window=30)), (jnp.float8_e5m2, {})])
-def test_gpu_ragged_persistent_programs_loop_over_items(monkeypatch, dtype, kw):
+def test_gpu_ragged_persistent_programs_loop_over_items(dtype, kw):
   """The ragged grid is persistent: with one "SM" and one wave there are 2-3 programs per kv head, each looping
   over several work items (q tiles of several sequences, one tile shared by 3), reusing barriers and smem."""
-  monkeypatch.setattr(gpu, "_num_sms", lambda: 1)
-  with tuning.override(ragged_waves=1):
+  with tuning.override(num_sms=1, ragged_waves=1):
     _ragged_persistent_programs(dtype, kw)
 
 

@@ -32,7 +32,7 @@ def _cfg(c):
 
 
 def _matmul():
-    from pallas_kernels.matmul import dispatch, gpu, gpu_fused
+    from pallas_kernels.matmul import dispatch, gpu, gpu_fused, tuning
     out = {}
     for t in T_GRID:
         for d, f in DF_GRID:
@@ -55,8 +55,8 @@ def _matmul():
                 ws = [w, w]
                 k = f"dispatch t={t} d={d} f={f} w={wdt}"
                 out[k] = {
-                    "fused_mode_1": gpu.fused_mode(x, [w], [None], None, dispatch.INTERPRET_SMS, True),
-                    "fused_mode_2": gpu.fused_mode(x, ws, [None, None], None, dispatch.INTERPRET_SMS, True,
+                    "fused_mode_1": gpu.fused_mode(x, [w], [None], None, tuning.current().interpret_sms, True),
+                    "fused_mode_2": gpu.fused_mode(x, ws, [None, None], None, tuning.current().interpret_sms, True,
                                                    silu_mul=True),
                     "unsupported": dispatch.kernel_unsupported_reason(x, [w]),
                 }
@@ -129,6 +129,34 @@ def test_tuned_choices_match_the_pins():
         assert not diff and set(got[family]) == set(want[family]), (
             f"{family}: {len(diff)} choices moved, e.g. {diff[:3]}: "
             f"{[(want[family][k], got[family].get(k)) for k in diff[:3]]}")
+
+
+def test_overrides_and_explicit_rows_move_the_choices():
+    """An override (or an explicit `tun=` row) changes what the lookups choose inside its block only."""
+    from pallas_kernels.matmul import gpu, gpu_fused
+    from pallas_kernels.matmul import tuning as mm
+    from pallas_kernels.paged_attention import gpu as pa_gpu
+    from pallas_kernels.paged_attention import tuning as pa
+    from pallas_kernels.splitzip import dispatch
+    from pallas_kernels.splitzip import tuning as sz
+
+    x, w = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16)
+    assert gpu.fused_mode(x, [w, w], [None, None], None, 132, False, silu_mul=True) == "direct"
+    with mm.override(fused=None):
+        assert gpu.fused_mode(x, [w, w], [None, None], None, 132, False, silu_mul=True) is None
+    assert gpu_fused.auto_mode(1, 4096, 14336, 2, 2, 132, mm.MatmulTuning(direct_min_busy=2.0)) is None
+    assert gpu.auto_config(32, 4096, 6144, 1, 2, False, 132).tile_f == 64
+    assert gpu.auto_config(32, 4096, 6144, 1, 2, False, 132, mm.MatmulTuning(narrow_f_tp=(0, 0))).tile_f == 128
+
+    assert pa_gpu.choose_block(16, 128, False) == (64, 2)
+    with pa.override(decode_block=(128, 2), num_sms=7):
+        assert pa_gpu.choose_block(16, 128, False) == (128, 2) and pa.num_sms() == 7
+    assert pa.num_sms() == pa.num_sms(pa.TABLE["default"])
+
+    assert dispatch.choose_chunk(5000) == 1024 and dispatch.default_capacity(1 << 20) == 2048
+    with sz.override(chunk_large_from=1, capacity_min=4096):
+        assert dispatch.choose_chunk(5000) == 8192 and dispatch.default_capacity(1 << 20) == 4096
+    assert dispatch.choose_chunk(5000, sz.SplitZipTuning(chunk_small=2048)) == 2048
 
 
 if __name__ == "__main__" and "--write" in sys.argv:

@@ -30,6 +30,7 @@ import codecs
 import time
 from dataclasses import dataclass, field
 
+from pallas_kernels.utils import check_int, is_number
 from tbjax.engine import FinishReason, Scheduler, SchedulerConfig, Sequence
 
 __all__ = ["FakeEngine", "FakeTokenizer", "FakeSamplingParams", "FakeRequestOutput", "fake_served_model"]
@@ -74,8 +75,7 @@ class FakeSamplingParams:
     logprobs: int = 0
 
     def validate(self, vocab_size: int) -> "FakeSamplingParams":
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        check_int("max_tokens", self.max_tokens, lo=1)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -128,9 +128,9 @@ class FakeEngine:
     def __init__(self, *, num_pages: int = 512, page_size: int = 4, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int = 512, step_time_s: float = 0.0,
                  overlap: bool = False, warmup_s: float = 0.0, warmup_programs: int = 8, warmup_jit: bool = False):
-        if not isinstance(step_time_s, (int, float)) or not step_time_s >= 0:
+        if not is_number(step_time_s) or not step_time_s >= 0:
             raise ValueError(f"step_time_s must be a number >= 0, got {step_time_s!r}")
-        if not isinstance(warmup_s, (int, float)) or not warmup_s >= 0:
+        if not is_number(warmup_s) or not warmup_s >= 0:
             raise ValueError(f"warmup_s must be a number >= 0, got {warmup_s!r}")
         self.warmup_s = float(warmup_s)
         self.warmup_programs = int(warmup_programs)

@@ -47,7 +47,7 @@ import grpc
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pallas_kernels.utils import is_int
+from pallas_kernels.utils import is_int, is_number
 
 from .api import pb
 from .engine_loop import EngineStopped
@@ -115,10 +115,6 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _get_int(body: dict, key: str) -> int | None:
     v = body.get(key)
     if v is None:
@@ -134,7 +130,7 @@ def _get_num(body: dict, key: str) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    if not _is_num(v):
+    if not is_number(v):
         raise _bad(f"{key} must be a number, got {shown(v)}", key)
     return float(v)
 

@@ -44,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from pallas_kernels.utils import round_up
+from pallas_kernels.utils import next_pow2, round_up
 
 __all__ = ["host_id", "sweep_stale", "Regions", "ShmArena", "IpcArena", "ipc_capable", "open_ipc", "copy_to_ipc", "ShmMapping", "HostCopier", "NumpyCopier", "CupyCopier", "JaxPinnedCopier",
            "make_copier", "COPIERS", "Landing", "start_copy_to_ipc"]
@@ -225,7 +225,7 @@ class IpcArena(Regions):
         rb = _row_bytes(dtype, row_shape)
         if offset < 0 or offset + n * rb > self.size:
             raise ValueError(f"bytes [{offset}, {offset + n * rb}) outside the {self.size}-byte IPC buffer")
-        X = _bucket(n)
+        X = next_pow2(n)
         with self.cp.cuda.Device(self.hw):
             dst = self.cp.empty(X * rb, self.cp.uint8)
             self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, self.ptr + offset, n * rb,
@@ -374,13 +374,6 @@ def _row_bytes(dtype, row_shape) -> int:
     return int(np.prod(row_shape)) * np.dtype(dtype).itemsize
 
 
-def _bucket(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
-
-
 class NumpyCopier(HostCopier):
     """Plain host copies (pages as numpy, or anything ``np.asarray`` takes)."""
 
@@ -477,7 +470,7 @@ class CupyCopier(HostCopier):
         dtype = np.dtype(dtype)
         rb = _row_bytes(dtype, row_shape)
         seg.view(offset, n * rb)
-        X = _bucket(n)     # padded to a power of two: the pool's scatter compiles once per bucket
+        X = next_pow2(n)     # padded to a power of two: the pool's scatter compiles once per bucket
         try:
             self.register(seg)
             hw = device.local_hardware_id if device.local_hardware_id is not None else device.id
@@ -618,7 +611,7 @@ class Landing:
             import cupy
 
             self.cp = cupy
-            self.X = _bucket(self.n)
+            self.X = next_pow2(self.n)
             self.stream = _land_stream(cupy, self.hw)
             with cupy.cuda.Device(self.hw):
                 self._dst = cupy.empty(self.X * self.rb, cupy.uint8)

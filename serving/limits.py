@@ -78,14 +78,10 @@ class Limits:
                      "max_message_bytes", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
                      "max_chat_messages", "max_request_id_bytes", "max_tokenize_concurrency"):
             check_int(f"Limits.{name}", getattr(self, name), lo=1)
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"Limits.max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
-                                                   or self.max_prompt_tokens < 1):
-            raise ValueError(f"Limits.max_prompt_tokens must be None or an int >= 1, got {self.max_prompt_tokens!r}")
-        if self.max_prompt_bytes is not None and (not isinstance(self.max_prompt_bytes, int)
-                                                  or self.max_prompt_bytes < 1):
-            raise ValueError(f"Limits.max_prompt_bytes must be None or an int >= 1, got {self.max_prompt_bytes!r}")
+        check_int("Limits.max_logprobs", self.max_logprobs, lo=0)
+        for name in ("max_prompt_tokens", "max_prompt_bytes"):
+            if getattr(self, name) is not None:
+                check_int(f"Limits.{name} (or None)", getattr(self, name), lo=1)
         if self.default_max_tokens > self.max_tokens:
             raise ValueError(f"Limits.default_max_tokens={self.default_max_tokens} > max_tokens={self.max_tokens}")
 

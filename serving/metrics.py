@@ -26,6 +26,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from pallas_kernels.utils import is_number
+
 __all__ = ["ServerMetrics", "PHASES", "CHILD_COMPILES_KEY"]
 
 # Request phases timed separately: tokenize+validate (servicer), queue (accepted -> handed to the engine),
@@ -38,10 +40,6 @@ _COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 
 # the key of a child engine's stats dict that carries its compiles since the last snapshot (seconds each)
 CHILD_COMPILES_KEY = "xla_compile_new_s"
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _only_metrics(app):
@@ -199,10 +197,10 @@ class ServerMetrics:
         used = stats.get("pages_used", stats.get("kv_pages_used"))
         free = stats.get("pages_free")
         cached = stats.get("pages_evictable", 0)
-        if _num(used) and _num(cached):
+        if is_number(used) and is_number(cached):
             stats["kv_pages_used"] = max(used - cached, 0)
             stats["kv_pages_cached"] = cached
-            if _num(free):
+            if is_number(free):
                 stats["kv_pages_free"] = free
                 stats.setdefault("kv_pages_total", used + free)
         for key, gauge in (("running", self.running), ("waiting", self.waiting),
@@ -212,7 +210,7 @@ class ServerMetrics:
                            ("spec_tokens_per_step", self.spec_tokens_per_step),
                            ("spec_draft_pages_used", self.spec_draft_pages)):
             v = stats.get(key)
-            if _num(v):
+            if is_number(v):
                 gauge.set(v)
         # the engine's totals -> counter increments (a total that went down: a new engine, counted from 0)
         for key, counter in (("spec_draft_tokens", self.spec_draft_tokens),
@@ -221,7 +219,7 @@ class ServerMetrics:
                              ("spec_verify_entries", self.spec_drafts),
                              ("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits)):
             v = stats.get(key)
-            if _num(v):
+            if is_number(v):
                 last = self._totals_last.get(key, 0)
                 counter.inc(v - last if v >= last else v)
                 self._totals_last[key] = v

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 
+from pallas_kernels.utils import next_pow2
 from tbjax.engine import Engine
 from tbjax.engine.api import PromptScorer
 
@@ -37,9 +38,7 @@ class PromptLogprobsUnavailable(ValueError):
 
 
 def bucket(n: int, cap: int | None = None) -> int:
-    b = MIN_BUCKET
-    while b < n:
-        b *= 2
+    b = next_pow2(n, MIN_BUCKET)
     return b if cap is None else max(n, min(b, cap))
 
 

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.utils import is_int
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names it."""
@@ -63,19 +65,19 @@ class SamplingParams:
 
         def bad(field, why):
             raise SamplingParamsError(f"{field}={getattr(self, field)!r}: {why}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):
+        if not is_int(self.max_tokens, numpy=True):
             bad("max_tokens", "must be an integer")
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             bad("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+        if not is_int(self.top_k, numpy=True) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 disables it)")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", "must be in (0, 1]")
         if not (0.0 <= self.min_p < 1.0):
             bad("min_p", "must be in [0, 1)")
-        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed, numpy=True) or not 0 <= self.seed < 2**63):
             bad("seed", "must be a non-negative integer")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
@@ -83,7 +85,7 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty strings")
         if vocab_size is not None and any(not 0 <= int(t) < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"token ids must be in [0, {vocab_size})")
-        if not isinstance(self.logprobs, (int, np.integer)) or not 0 <= self.logprobs <= 20:
+        if not is_int(self.logprobs, numpy=True) or not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be an integer in 0..20")
         return self
 

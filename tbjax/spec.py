@@ -16,6 +16,8 @@ import math
 import os
 from typing import Any, Mapping
 
+from pallas_kernels.utils import is_int
+
 
 class SpecError(ValueError):
     """A config cannot be turned into a ModelSpec (unknown architecture, missing or contradictory field)."""
@@ -132,7 +134,7 @@ class ModelSpec:
                    n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                    ffn_dim=self.ffn_dim, max_position=self.max_position)
         for k, v in pos.items():
-            if not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise SpecError(f"{self.arch}: {k} must be a positive integer, got {v!r}")
         if self.n_heads % self.n_kv_heads:
             raise SpecError(f"{self.arch}: num_attention_heads={self.n_heads} is not a multiple of "

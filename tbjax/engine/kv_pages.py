@@ -25,14 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.utils import next_pow2
+
 NULL_PAGE = 0
-
-
-def _bucket(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
 
 
 @jax.jit
@@ -71,7 +66,7 @@ def gather_pages(caches, page_ids) -> tuple[list[np.ndarray], list[np.ndarray] |
     n_pool = caches[0][0].shape[0]
     ids = _check_ids(page_ids, n_pool)
     n = ids.size
-    ids_X = np.full(_bucket(n), NULL_PAGE, np.int32)
+    ids_X = np.full(next_pow2(n), NULL_PAGE, np.int32)
     ids_X[:n] = ids
     got = jax.device_get(_gather(caches, ids_X))
     pages = [np.asarray(p[:n]) for p, _ in got]
@@ -92,7 +87,7 @@ def scatter_pages(caches, page_ids, layer_pages, layer_scales=None):
         raise ValueError("the pools are fp8: pass layer_scales (one [n, 2K] array per layer)")
     if not fp8 and layer_scales is not None:
         raise ValueError("the pools carry no scales (not fp8), but layer_scales was given")
-    X = _bucket(n)
+    X = next_pow2(n)
     ids_X = np.full(X, NULL_PAGE, np.int32)
     ids_X[:n] = ids
     new = []
@@ -128,7 +123,7 @@ def gather_pages_stacked(caches, page_ids):
     """``page_ids`` of every layer as one device array ``[X, L, G, 2K, H]`` (rows past ``len(page_ids)`` are
     padding: X is a power of two) and fp8 scales ``[X, L, 2K]`` (or None). Nothing leaves the device."""
     ids = _check_ids(page_ids, caches[0][0].shape[0])
-    ids_X = np.full(_bucket(ids.size), NULL_PAGE, np.int32)
+    ids_X = np.full(next_pow2(ids.size), NULL_PAGE, np.int32)
     ids_X[:ids.size] = ids
     return _gather_stacked(caches, ids_X)
 
@@ -173,7 +168,7 @@ def scatter_pages_stacked(caches, page_ids, pages_nLGKH, scales_nLK=None):
         raise ValueError("the pools are fp8: pass the scales ([n, L, 2K] float32)")
     if not fp8 and scales_nLK is not None:
         raise ValueError("the pools carry no scales (not fp8), but scales were given")
-    X = _bucket(max(n, pages_nLGKH.shape[0]))
+    X = next_pow2(max(n, pages_nLGKH.shape[0]))
     ids_X = np.full(X, NULL_PAGE, np.int32)
     ids_X[:n] = ids
     if fp8:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from pallas_kernels.utils import is_int
+
 __all__ = ["NULL_PAGE", "OutOfPages", "PageRefError", "PageAllocator"]
 
 NULL_PAGE = 0
@@ -31,9 +33,9 @@ class PageAllocator:
     """Free list and per-page reference counts for ``num_pages`` pages of ``page_size`` tokens."""
 
     def __init__(self, num_pages: int, page_size: int, *, reserve_null_page: bool = True):
-        if not isinstance(num_pages, int) or isinstance(num_pages, bool):
+        if not is_int(num_pages):
             raise TypeError(f"num_pages must be an int, got {type(num_pages).__name__}")
-        if not isinstance(page_size, int) or isinstance(page_size, bool):
+        if not is_int(page_size):
             raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -78,7 +80,7 @@ class PageAllocator:
     # -- allocation and references ----------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` pages off the free list, each with reference count 1."""
-        if not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"cannot allocate {n!r} pages: need an int >= 0")
         if n > len(self._free):
             raise OutOfPages(f"requested {n} pages but only {len(self._free)} of {self.num_usable} are free")
@@ -88,7 +90,7 @@ class PageAllocator:
         return pages
 
     def _check_id(self, page: int) -> None:
-        if not isinstance(page, int) or not (self._first <= page < self.num_pages):
+        if not is_int(page) or not (self._first <= page < self.num_pages):
             what = " (the reserved null page)" if self.null_page is not None and page == self.null_page else ""
             raise PageRefError(f"page id {page!r}{what} is not an allocatable page of this pool "
                                f"(valid: {self._first}..{self.num_pages - 1})")

@@ -55,6 +55,7 @@ from typing import Hashable
 import jax
 import numpy as np
 
+from pallas_kernels.utils import is_int
 from tbjax.engine.kv_cache import KVCacheConfig
 from tbjax.engine.page_allocator import PageAllocator
 from tbjax.engine.request import SequenceStatus
@@ -87,7 +88,7 @@ class SpeculativeConfig:
                                          f"got {d!r}")
         for name, hi in (("num_tokens", MAX_SPEC_TOKENS), ("window", 1 << 20)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+            if not is_int(v) or not 1 <= v <= hi:
                 raise SpeculativeConfigError(f"speculative {name} must be an int in 1..{hi}, got {v!r}")
 
     @classmethod

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.utils import is_int
+
 FORMATS = ("int8", "int4", "fp8")
 # --weight-dtype: "auto" keeps the checkpoint's own format, "bf16" (or "float32") dequantizes at load, the others
 # quantize (or convert) every matrix to that format.
@@ -134,7 +136,7 @@ class QuantizedWeight:
                 f"scale={getattr(self.scale, 'dtype', '?')}, zero={self.zero is not None})")
 
     def _check_index(self, i):
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+        if not is_int(i, numpy=True):
             raise TypeError(f"QuantizedWeight supports indexing its leading axis by an int, got {i!r}")
         if self.ndim < 2 or self.block[0] != 1 or self.index is not None:
             raise TypeError(f"cannot index axis 0 of {self!r}: it is not a stacking axis")

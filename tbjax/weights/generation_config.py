@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from pallas_kernels.utils import is_int
+from pallas_kernels.utils import is_int, is_number
 
 __all__ = ["GenerationDefaults", "load_generation_defaults", "from_generation_config", "SMOLLM2_CARD",
            "GENERATION_CONFIG_FILE", "GenerationConfigError"]
@@ -80,7 +80,7 @@ class GenerationDefaults:
 
 
 def _num(path: str, key: str, v, kind):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if not is_number(v):
         raise GenerationConfigError(f"{path}: {key} must be a number, got {v!r}")
     return int(v) if kind is int else float(v)
 

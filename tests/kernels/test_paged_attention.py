@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import common
+from pallas_kernels.utils import next_pow2
 from test_paged_attention_oracle import (fresh_rng, max_err, oracle_decode, oracle_ragged, random_decode,
                                          random_ragged)
 
@@ -337,7 +338,7 @@ def test_blocked_ragged_attention_is_batch_invariant(window, q_len):
     alone = None
     for others in ([], [(1, 12)], [(9, 50), (1, 3), (20, 20)], [(100, 200)]):
         T = q_len + sum(n for n, _ in others)
-        T_bucket = 1 << (T - 1).bit_length()
+        T_bucket = next_pow2(T)
         rows = [q_seq] + [rng.normal(size=(n, N, H)) for n, _ in others]
         q = np.zeros((T_bucket, N, H))
         q[:T] = np.concatenate(rows)

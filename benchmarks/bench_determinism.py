@@ -1,7 +1,7 @@
 """Batch invariance on the device: does a request's output depend on what else is in the engine's steps?
 
 Why it exists: the served engine promises that a greedy or seeded request gives the same tokens alone and under
-concurrent traffic (issue 18). On CPU a test checks it (tests/engine/test_determinism.py); on a GPU the matmul and
+concurrent traffic. On CPU a test checks it (tests/engine/test_determinism.py); on a GPU the matmul and
 attention libraries pick algorithms per shape, so it has to be measured there. This runs each target request alone
 (reference), then all of them together with other requests of other lengths arriving before and after them (their
 steps land in other token buckets, beside other prefill chunks and decodes), and reports per target whether the
@@ -28,22 +28,6 @@ PROMPTS = ["The meaning of life is", "Write a haiku about the sea.", "List three
            "Explain photosynthesis in one sentence.", "Translate 'good morning' to Spanish:"]
 
 
-def _run(eng, reqs):
-    """reqs: (id, prompt ids, params, step at which it arrives) -> (id -> tokens, id -> chosen logprobs, steps)."""
-    toks = {r[0]: [] for r in reqs}
-    lps = {r[0]: [] for r in reqs}
-    pend, step = sorted(reqs, key=lambda r: r[3]), 0
-    while pend or eng.has_unfinished():
-        while pend and pend[0][3] <= step:
-            rid, ids, p, _ = pend.pop(0)
-            eng.add_request(rid, ids, p)
-        for o in eng.step():
-            toks[o.request_id] += o.new_token_ids
-            lps[o.request_id] += [lp[0] for lp in (o.logprobs or [])]
-        step += 1
-    return toks, lps, step
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the default model)")
@@ -55,6 +39,7 @@ def main():
     args = ap.parse_args()
 
     import jax
+    from tbjax.engine.arrivals import run_arrivals
     from tbjax.engine.engine import Engine, EngineConfig
     from tbjax.sampling import SamplingParams
     from tbjax.weights import load_model
@@ -79,7 +64,7 @@ def main():
         targets.append((f"t{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), p))
     alone_t, alone_l = {}, {}
     for rid, ids, p in targets:
-        t, lp, _ = _run(eng, [(rid, ids, p, 0)])
+        t, lp, _ = run_arrivals(eng, [(rid, ids, p, 0)])
         alone_t.update(t)
         alone_l.update(lp)
     rng = np.random.default_rng(0)
@@ -90,7 +75,7 @@ def main():
                        SamplingParams(max_tokens=int(rng.integers(4, 48)), temperature=0), int(rng.integers(0, 12))))
     loaded_reqs = others + [(rid, ids, p, int(rng.integers(0, 10))) for rid, ids, p in targets]
     t0 = time.perf_counter()
-    lt, ll, steps = _run(eng, loaded_reqs)
+    lt, ll, steps = run_arrivals(eng, loaded_reqs)
     dt = time.perf_counter() - t0
     n_out = sum(len(v) for v in lt.values())
 

@@ -28,6 +28,7 @@ from typing import Hashable
 
 import jax
 
+from pallas_kernels.utils import is_int
 from tbjax.engine.detokenize import IncrementalText
 from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, pages_for_budget
 from tbjax.engine.kv_pages import gather_pages, gather_pages_stacked, scatter_pages, scatter_pages_stacked
@@ -219,7 +220,7 @@ class Engine:
         if request_id in self._reqs or self.scheduler.held(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.spec.vocab_size)
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.spec.vocab_size)]
+        bad = [t for t in prompt_token_ids if not (is_int(t) and 0 <= t < self.spec.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids out of vocabulary (size {self.spec.vocab_size}): {bad[:5]}")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids or self.spec.eos_token_ids)
@@ -267,7 +268,7 @@ class Engine:
     def reserve_kv(self, request_id: Hashable, n_tokens: int) -> list[int]:
         """Reserve the pages that ``n_tokens`` of incoming KV fill (late: call when the transfer starts).
         Raises ``KVReservationError`` when the pages or a sequence slot are not there."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        if not is_int(n_tokens) or n_tokens < 1:
             raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
         if n_tokens >= self.max_model_len:
             raise KVReservationError(f"{n_tokens} tokens of KV leave no room for output (max_model_len "
@@ -421,12 +422,15 @@ class Engine:
         if "token_logprob" in out:
             for e in batch.entries:
                 st = self._reqs.get(e.seq_id)
-                i = fl.rows.get(e.seq_id)
                 if e.samples and st is not None and st.params.logprobs > 0:
-                    n = st.params.logprobs
-                    lp_by_id[e.seq_id] = (float(out["token_logprob"][i]),
-                                          [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:n],
-                                                                              out["top_logprobs"][i][:n])])
+                    lp_by_id[e.seq_id] = [_row_logprobs(out, fl.rows.get(e.seq_id), st.params.logprobs)]
+        results = self._outputs(batch, sampled, lp_by_id)
+        self.host_seconds["emit"] += time.perf_counter() - t1
+        return results
+
+    def _outputs(self, batch, sampled, lps: dict) -> list[RequestOutput]:
+        """Hands a step's sampled tokens to the scheduler and emits an output per request that got tokens (or
+        finished); lps: request id -> one (logprob, top) per new token."""
         results = []
         for so in self.scheduler.on_step_done(batch, sampled):
             st = self._reqs.get(so.seq_id)
@@ -434,8 +438,7 @@ class Engine:
                 continue
             if st.first_token_time is None and so.new_token_ids:
                 st.first_token_time = time.monotonic()
-            results.append(self._emit(so, st, lp_by_id.get(so.seq_id)))
-        self.host_seconds["emit"] += time.perf_counter() - t1
+            results.append(self._emit(so, st, lps.get(so.seq_id)))
         return results
 
     def _spec_step(self) -> list[RequestOutput]:
@@ -474,29 +477,19 @@ class Engine:
             sampled[e.seq_id] = run if e.num_draft else run[0]
             st = self._reqs.get(e.seq_id)
             if want_lp and st is not None and st.params.logprobs > 0:
-                n = st.params.logprobs
-                lps[e.seq_id] = [(float(out["token_logprob"][j]),
-                                  [(int(a_), float(b_)) for a_, b_ in zip(out["top_ids"][j][:n],
-                                                                          out["top_logprobs"][j][:n])])
-                                 for j in range(r0, r0 + n_run)]
+                lps[e.seq_id] = [_row_logprobs(out, j, st.params.logprobs) for j in range(r0, r0 + n_run)]
         if props:
             sd.num_verify_steps += 1
-        results = []
-        for so in self.scheduler.on_step_done(batch, sampled):
-            st = self._reqs.get(so.seq_id)
-            if st is None:
-                continue
-            if st.first_token_time is None and so.new_token_ids:
-                st.first_token_time = time.monotonic()
-            results.append(self._emit_run(so, st, lps.get(so.seq_id)))
+        results = self._outputs(batch, sampled, lps)
         sd.gc(self.scheduler)
         return pending + results
 
-    def _emit_run(self, so, st: _ReqState, lps) -> RequestOutput:
-        """``_emit`` for a run of several tokens (speculative decoding): token by token, as if each came from a step
-        of its own, so stop strings end the run where they would end it without speculation; one output."""
+    def _emit(self, so, st: _ReqState, lps) -> RequestOutput:
+        """The output of a request's new tokens (lps: one (logprob, top) per token, or None). A run of several
+        tokens (speculative decoding) is emitted token by token, as if each came from a step of its own, so stop
+        strings end the run where they would end it without speculation; one output."""
         if len(so.new_token_ids) <= 1:
-            return self._emit(so, st, lps[0] if lps else None)
+            return self._emit_token(so, st, lps[0] if lps else None)
         ids, text, lp_out, last = [], "", [], None
         n = len(so.new_token_ids)
         for i, tok in enumerate(so.new_token_ids):
@@ -504,7 +497,7 @@ class Engine:
             one = dataclasses.replace(so, new_token_ids=[tok], finished=so.finished and end,
                                       finish_reason=so.finish_reason if end else None,
                                       stop_token_id=so.stop_token_id if end else None)
-            last = self._emit(one, st, lps[i] if lps else None)
+            last = self._emit_token(one, st, lps[i] if lps else None)
             ids += last.new_token_ids
             text += last.text_delta
             lp_out += last.logprobs or []
@@ -512,7 +505,7 @@ class Engine:
                 break
         return RequestOutput(so.seq_id, ids, text, last.finished, last.finish_reason, lp_out or None)
 
-    def _emit(self, so, st: _ReqState, lp) -> RequestOutput:
+    def _emit_token(self, so, st: _ReqState, lp) -> RequestOutput:
         st.out_ids.extend(so.new_token_ids)          # (the scheduler drops a finished sequence's own list)
         out_ids = st.out_ids
         finished, reason = so.finished, (so.finish_reason.value if so.finish_reason else None)
@@ -549,6 +542,12 @@ class Engine:
             d.update(self.spec_decoder.stats())
             d["compiled_programs"] += self.spec_decoder.runner.num_compiled
         return d
+
+
+def _row_logprobs(out, row: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """(chosen-token logprob, the n top (token id, logprob) pairs) of one row of a fetched step."""
+    return (float(out["token_logprob"][row]),
+            [(int(a), float(b)) for a, b in zip(out["top_ids"][row][:n], out["top_logprobs"][row][:n])])
 
 
 __all__ = ["Engine", "EngineConfig", "KVExport", "KVReservationError", "RequestOutput", "RequestTooLarge"]

@@ -4,6 +4,7 @@ steps land in other token buckets, next to other prefill chunks and decodes). Re
 import numpy as np
 import pytest
 
+from tbjax.engine.arrivals import run_arrivals
 from tbjax.engine.engine import Engine, EngineConfig
 from tbjax.sampling import SamplingParams
 
@@ -17,16 +18,7 @@ def engine():
 
 def _run(eng, reqs):
     """reqs: (id, prompt ids, params, step at which it arrives) -> id -> tokens."""
-    out = {r[0]: [] for r in reqs}
-    pend, step = sorted(reqs, key=lambda r: r[3]), 0
-    while pend or eng.has_unfinished():
-        while pend and pend[0][3] <= step:
-            rid, ids, p, _ = pend.pop(0)
-            eng.add_request(rid, ids, p)
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-        step += 1
-    return out
+    return run_arrivals(eng, reqs)[0]
 
 
 def test_tokens_do_not_depend_on_concurrent_traffic(engine):

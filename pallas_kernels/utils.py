@@ -1,6 +1,6 @@
 """Small helpers every layer may import (pallas_kernels and sharding sit below tbjax and serving).
 
-One spelling each of idioms the code base used to write out by hand: rounding up to a multiple or a power of
+One spelling each of small idioms: rounding up to a multiple or a power of
 two, checking that a value is a real int (bool is an int to Python, never to us) or a real number, the device's
 kind and SM count, and the tables of tuned kernel parameters (`TuningTable`: one row per device kind, overridden for
 a block of code by a context manager instead of by patching module globals).
@@ -90,6 +90,10 @@ class TuningTable:
             raise ValueError(f"{name}: the rows need a 'default' and one dataclass type, got {rows!r}")
         self.rows = rows
         self._override: contextvars.ContextVar = contextvars.ContextVar(name, default=None)
+
+    def bind(self):
+        """(current, override): the two functions a family's tuning module exports."""
+        return self.current, self.override
 
     def row(self, kind: str | None = None):
         """The table's row for `kind` (default: this process's device kind), ignoring overrides."""

@@ -166,7 +166,7 @@ def auto_config(t: int, d: int, f: int, n_mats: int, w_itemsize: int, block_scal
     <= 128. Among the D steps that divide D, pick the one with the most weight bytes in flight
     ((stages - 1) * weight bytes per stage), preferring larger steps on ties. The preferences (the
     64-row F tile of bf16 at mid T, the warp-specialized fp8 tiling) are the tuning row's (`tun`, default
-    tuning.current(); tuning.py says what was measured). fp8 goes through f16 (TileConfig defaults: 128-row
+    tuning.current(); tuning.py has the measurements). fp8 goes through f16 (TileConfig defaults: 128-row
     conversion rounds, 8-bit load layout), 1.25-1.5x the bf16-folding path in one run, and exact.
     """
     tun = tuning.current() if tun is None else tun

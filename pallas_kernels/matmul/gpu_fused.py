@@ -334,7 +334,7 @@ def auto_mode(t: int, d: int, f: int, n_mats: int, w_itemsize: int, num_sms: int
     """fused="auto" (the tuning row's default): "direct" where it measured faster than the partials + epilogue
     kernel in two H200 runs, else None (that kernel): bf16 at Tp <= direct_max_tp whose whole-tile runs occupy
     >= direct_min_busy of the SMs, at Tp <= direct_short_tp or D >= direct_min_d (tuning.py has the
-    measurements). fp8 never ("direct" was 0.65-0.78x the warp-specialized kernel); "sem" measured 0.9-1.06x the
+    measurements). fp8 never ("direct" measured 0.65-0.78x the warp-specialized kernel); "sem" measured 0.9-1.06x the
     partials path: opt-in only."""
     tun = tuning.current() if tun is None else tun
     tp = padded_t(t)

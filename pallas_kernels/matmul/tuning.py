@@ -26,7 +26,7 @@ Fields (measured on an H200, benchmarks/RESULTS.md "Decode matmuls"):
                    (112 CTAs) +3..10% at T = 1 and +17..25% at T = 32/64, qkv (96 CTAs) +4% / +31% at T = 1 / 64,
                    2048x7168 +15..23% at T <= 8; it lost with few CTAs (7168x2048: 32 CTAs, -20..-53%) or short runs
                    with many x rows (2048x7168 at T = 32: -16%); with 64 CTAs two runs disagreed (not taken). fp8
-                   "direct" was 0.65-0.78x the default: never taken.
+                   "direct" measured 0.65-0.78x the default: never taken.
 """
 from __future__ import annotations
 
@@ -61,11 +61,6 @@ class MatmulTuning:
         return not fp8 and lo <= tp <= hi
 
 
-TABLE: dict[str, MatmulTuning] = {
-    "default": MatmulTuning(),
-    "NVIDIA H200": MatmulTuning(),          # every field above was measured on this kind
-}
-
-_TABLE = TuningTable("matmul_tuning", TABLE)
-current = _TABLE.current
-override = _TABLE.override
+# every field above: measured on the H200; other kinds take the default row (the same values)
+TABLE: dict[str, MatmulTuning] = {"default": MatmulTuning(), "NVIDIA H200": MatmulTuning()}
+current, override = TuningTable("matmul_tuning", TABLE).bind()

@@ -55,14 +55,9 @@ class GpuAttentionTuning:
   detect_races: bool = False
 
 
-TABLE: dict[str, GpuAttentionTuning] = {
-    "default": GpuAttentionTuning(),
-    "NVIDIA H200": GpuAttentionTuning(),          # every field above was measured on this kind
-}
-
-_TABLE = TuningTable("paged_attention_tuning", TABLE)
-current = _TABLE.current
-override = _TABLE.override
+# every field above: measured on the H200; other kinds take the default row (the same values)
+TABLE: dict[str, GpuAttentionTuning] = {"default": GpuAttentionTuning(), "NVIDIA H200": GpuAttentionTuning()}
+current, override = TuningTable("paged_attention_tuning", TABLE).bind()
 
 
 def num_sms(row: GpuAttentionTuning | None = None) -> int:

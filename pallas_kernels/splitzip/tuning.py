@@ -52,11 +52,6 @@ class SplitZipTuning:
         return {"lut": self.decode_lut, "group": self.decode_group}
 
 
-TABLE: dict[str, SplitZipTuning] = {
-    "default": SplitZipTuning(),
-    "NVIDIA H200": SplitZipTuning(),          # every field above was measured on this kind
-}
-
-_TABLE = TuningTable("splitzip_tuning", TABLE)
-current = _TABLE.current
-override = _TABLE.override
+# every field above: measured on the H200; other kinds take the default row (the same values)
+TABLE: dict[str, SplitZipTuning] = {"default": SplitZipTuning(), "NVIDIA H200": SplitZipTuning()}
+current, override = TuningTable("splitzip_tuning", TABLE).bind()

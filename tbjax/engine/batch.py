@@ -2,8 +2,9 @@
 build the step's inputs and handed back to ``Scheduler.on_step_done``."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator
+from typing import Hashable, Iterator, Mapping
 
 from .request import Sequence
 
@@ -85,8 +86,45 @@ class ScheduledBatch:
             out[e.seq.dp_rank].append(e)
         return out
 
+    def sampled_tokens(self, sampled: Mapping[Hashable, object], live: Mapping[Hashable, ScheduledEntry]
+                       ) -> dict[Hashable, list[int]]:
+        """Check the tokens a finished step sampled (seq id -> token, or for an entry with drafts a list of 1 ..
+        1 + num_draft tokens) against this batch; returns seq id -> tokens for the ``live`` entries (those still
+        running: tokens for the others are dropped). Raises ValueError on a token for an entry that does not
+        sample, a missing one, or one that is not a non-negative int."""
+        in_batch = {e.seq_id for e in self.entries}
+        tokens = {}
+        for sid, tok in sampled.items():
+            if sid not in in_batch:
+                raise ValueError(f"sampled token for {sid!r}, which is not in step {self.step}")
+            e = live.get(sid)
+            if e is None:
+                continue  # aborted / finished since schedule(): its token is dropped
+            if not e.samples:
+                raise ValueError(f"sampled token for {sid!r}, whose entry in step {self.step} is an "
+                                 "intermediate prefill chunk (it does not sample)")
+            run = list(tok) if isinstance(tok, (list, tuple)) else [tok]
+            if not 1 <= len(run) <= 1 + e.num_draft:
+                raise ValueError(f"{len(run)} tokens for {sid!r}, whose entry in step {self.step} yields "
+                                 f"1..{1 + e.num_draft}")
+            tokens[sid] = [_token(sid, x) for x in run]
+        for sid, e in live.items():
+            if e.samples and sid not in tokens:
+                raise ValueError(f"no sampled token for {sid!r}, whose entry in step {self.step} samples")
+        return tokens
+
     def __iter__(self) -> Iterator[ScheduledEntry]:
         return iter(self.entries)
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def _token(sid: Hashable, x) -> int:
+    try:
+        t = operator.index(x)
+    except TypeError:
+        t = -1
+    if isinstance(x, bool) or t < 0:
+        raise ValueError(f"sampled token for {sid!r} must be a non-negative int, got {x!r}")
+    return t

@@ -54,7 +54,8 @@ def _token_set(name: str, ids: Iterable[int] | None) -> frozenset[int]:
 
 @dataclass(eq=False)
 class Sequence:
-    """One request. Arguments are validated; progress fields are owned by the scheduler."""
+    """One request. Arguments are validated; progress fields are owned by the scheduler, which changes the page
+    holdings (cache node, reservation) and the status only through the methods below."""
 
     seq_id: Hashable
     prompt_token_ids: list[int]
@@ -146,6 +147,70 @@ class Sequence:
         """KV positions this request can ever need: prompt + max_tokens - 1 (the last sampled token is
         never fed back)."""
         return len(self.prompt_token_ids) + self.max_tokens - 1
+
+    # -- what the scheduler changes ---------------------------------------------------------------------
+    @property
+    def cache_node(self) -> Any:
+        """The deepest prefix-cache node this sequence holds a lock on (on rank ``dp_rank``), or None."""
+        return self._cache_node
+
+    @property
+    def reserved_pages(self) -> int:
+        """Pages set aside for this sequence's later tokens (``preemption="never"``), not yet in ``block_table``."""
+        return self._reserved_pages
+
+    def set_cache_node(self, node: Any) -> None:
+        self._cache_node = node
+
+    def clear_cache_node(self) -> Any:
+        """Forget the locked cache node; returns it (None if there was none) for the caller to unlock."""
+        node, self._cache_node = self._cache_node, None
+        return node
+
+    def reserve_pages(self, n: int) -> None:
+        self._reserved_pages += n
+
+    def take_reserved(self, n: int) -> int:
+        """Use up to ``n`` reserved pages; returns how many were reserved and are now used."""
+        take = min(n, self._reserved_pages)
+        self._reserved_pages -= take
+        return take
+
+    def drop_reserved(self) -> int:
+        """Give up the whole reservation; returns its size."""
+        n, self._reserved_pages = self._reserved_pages, 0
+        return n
+
+    def start_running(self, dp_rank: int, block_table: list[int], num_computed_tokens: int,
+                      num_cached_tokens: int = 0) -> None:
+        self.status = SequenceStatus.RUNNING
+        self.dp_rank = dp_rank
+        self.block_table = list(block_table)
+        self.num_computed_tokens = num_computed_tokens
+        self.num_cached_tokens = num_cached_tokens
+
+    def return_to_waiting(self) -> None:
+        """Preempted (its pages already released): queued again, to recompute prompt + output from scratch."""
+        self.status = SequenceStatus.WAITING
+        self.dp_rank = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions += 1
+
+    def mark_finished(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def append_token(self, token: int, max_model_len: int | None = None) -> FinishReason | None:
+        """Append a sampled token; returns the finish reason it triggers (``check_stop``, then the model's context
+        ``max_model_len``), recording ``stop_token_id`` on a stop."""
+        self.token_ids.append(token)
+        reason = self.check_stop(token)
+        if reason is None and max_model_len is not None and self.num_tokens >= max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is FinishReason.STOP:
+            self.stop_token_id = token
+        return reason
 
     def check_stop(self, token: int) -> FinishReason | None:
         """The finish reason that appending ``token`` (already appended) triggers, if any."""

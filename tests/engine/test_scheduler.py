@@ -146,7 +146,7 @@ def run_engine(sched, requests, arrivals=None, aborts=None, max_steps=3000, over
                     assert sched.ranks[rank].allocator.num_free == free_before + held  # freed at once
                 done[sid] = seq
         decoding_before = {s.seq_id for s in sched.running
-                           if s.num_tokens_after_inflight - s.num_scheduled_tokens == 1 and not sched._ends_in_flight(s)}
+                           if s.num_tokens_after_inflight - s.num_scheduled_tokens == 1 and not sched.inflight.ends(s)}
         batch = sched.schedule()
         step += 1
         if batch is None:

@@ -9,6 +9,10 @@ program the engine can run (``--no-warmup`` skips that), then turns health SERVI
 saying where it serves; after that no request should compile anything (``tbjax_xla_compiles_total``). The first
 SIGINT/SIGTERM drains (health turns NOT_SERVING, new RPCs are refused, running ones get ``--drain-timeout``
 seconds), a second one stops at once.
+
+The settings, their flags and which value wins over which (flag > environment > derived from other settings or the
+model > default) are one dataclass, serving/serve_config.py's ServeConfig; this module turns a validated ServeConfig
+into running servers.
 """
 from __future__ import annotations
 
@@ -37,10 +41,10 @@ def build_parser():
     return _build_parser(__doc__.split("\n\n")[0])
 
 
-def _child_engine(path, engine_kw: dict, warmup: bool = False, generation_config="auto"):
+def _child_engine(path, engine_kw: dict, generation_config="auto"):
     """Runs in the engine process (serving/engine_proc.py): load the model, build its engine (the child's loop warms
-    it up next, reporting its progress to the server; ``warmup`` is kept for old pickles and ignored). The
-    generation config's eos ids end generations there too (the server process fills the sampling defaults)."""
+    it up next, reporting its progress to the server). The generation config's eos ids end generations there too
+    (the server process fills the sampling defaults)."""
     import tbjax
     llm = tbjax.LLM(path, progress=False, warmup=False, generation_config=generation_config, **engine_kw)
     return llm.engine
@@ -291,24 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     try:
-        a.check()
-        a.engine_kwargs()           # --speculative parses
+        a.validate()
     except ConfigError as e:
-        ap.error(str(e))
+        if e.usage:
+            ap.error(str(e))
+        print(f"tbjax: {e}", file=sys.stderr)
+        return 2
     a = a.with_environment()
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        a.limits()
-    except ValueError as e:
-        print(f"tbjax: bad limits: {e}", file=sys.stderr)
-        return 2
-    if a.generation_config not in ("auto", "none") and not a.fake_engine:
-        from tbjax.weights.generation_config import GenerationConfigError, read_generation_config
-        try:
-            read_generation_config(a.generation_config)
-        except GenerationConfigError as e:
-            print(f"tbjax: --generation-config: {e}", file=sys.stderr)
-            return 2
     t0 = time.perf_counter()
     from tbjax import compile_monitor
     compile_monitor.install()   # count every compile of this process, loading included

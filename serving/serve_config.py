@@ -169,6 +169,9 @@ class ServeConfig:
                                        "draft=PATH is a small model with the target's tokenizer. Runs without "
                                        "overlapped scheduling (docs/speculative.md)", "engine", shown="off",
                                  metavar="SETTINGS")
+    deterministic: bool = _s(False, "batch-invariant steps: a request's tokens and logprobs do not depend on "
+                                    "concurrent traffic or chunking (every step padded to --max-num-batched-tokens; "
+                                    "docs/step.md)", "engine", flag="store_true")
     mesh: str | None = _s(None, "decode mesh as axis=size list, e.g. dp=4,ep=2 (axes dp, ep, tp, pp): requests, KV "
                                 "pools, attention-weight shards and routed experts spread over its devices", "engine",
                           shown="one device")
@@ -284,6 +287,8 @@ class ServeConfig:
         kw = self.engine_sizes()
         kw.update({k: getattr(self, k) for k in ("kv_dtype", "layer_buffers", "overlap_scheduling", "mesh",
                                                  "weight_dtype") if getattr(self, k) is not None})
+        if self.deterministic:
+            kw["deterministic"] = True
         lay = {k: getattr(self, k) for k in ("attn_gather", "attn_wire", "ep_mode") if getattr(self, k) is not None}
         if lay:
             from sharding.mesh import DecodeLayout

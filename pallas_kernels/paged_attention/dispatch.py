@@ -147,21 +147,25 @@ def step_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S
   With kernels: steps of at most `rows_as_decodes_max_t` rows (default ROWS_AS_DECODES_MAX_T) run every row in the
   decode kernel (`rows_as_decodes`); larger steps send the sequences that have one query row to the decode kernel
   (split over the kv length) and the others to the ragged kernel, each kernel seeing the other's sequences at kv_len
-  0 (no work). Elsewhere the blocked jnp loop, whose cost follows the live lengths. Rows past the last sequence's
-  are padding: their values are unspecified (finite)."""
+  0 (no work). Elsewhere the blocked jnp loop, whose cost follows the live lengths; there `rows_as_decodes_max_t`
+  applies only when given. Every row as a decode makes a row's result independent of how its sequence was chunked
+  (the engine's deterministic mode). Rows past the last sequence's are padding: their values are unspecified
+  (finite)."""
   common.check_ragged(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, kv_scales_PK,
                       soft_cap=soft_cap, sliding_window=sliding_window)
   which = "blocked" if impl == "auto" and _platform_impl() == "reference" else resolve_impl(impl)
   kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_scales_PK=kv_scales_PK)
-  if which in ("reference", "blocked"):
-    return paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, impl=which, **kw)
   T = q_TNH.shape[0]
   S = kv_lens_S.shape[0]
-  if S > T:
-    raise ValueError(f"step_attention needs at most as many sequences as tokens, got S={S} > T={T}")
-  if T <= (ROWS_AS_DECODES_MAX_T if rows_as_decodes_max_t is None else rows_as_decodes_max_t):
+  jnp_impl = which in ("reference", "blocked")
+  max_t = rows_as_decodes_max_t if rows_as_decodes_max_t is not None else (0 if jnp_impl else ROWS_AS_DECODES_MAX_T)
+  if T <= max_t:
     bt_TP, kv_T = rows_as_decodes(block_tables_SP, kv_lens_S, cu_q_lens_S1, T)
     return paged_decode_attention(q_TNH, kv_pages_PGKH, bt_TP, kv_T, impl=which, **kw)
+  if jnp_impl:
+    return paged_attention(q_TNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, cu_q_lens_S1, impl=which, **kw)
+  if S > T:
+    raise ValueError(f"step_attention needs at most as many sequences as tokens, got S={S} > T={T}")
   # The leading run of one-row sequences (the step's decodes: the scheduler puts them first) has sequence s at
   # row s: those go to the decode kernel and come back by a select (no scatter); every other sequence, one-row
   # prefill chunks included, goes to the ragged kernel.

@@ -76,6 +76,11 @@ class EngineConfig:
     # {"draft": "self" | PATH, "num_tokens": 4, "window": 128} (a dict, "draft=self,num_tokens=4" or JSON text, or a
     # SpeculativeConfig). Runs without overlapped scheduling.
     speculative: object = None
+    # Batch-invariant steps: a request's tokens and logprobs do not depend on what else is in the batch, when it
+    # arrived or how its prompt was chunked (runner.ModelRunner `deterministic`: one token bucket, every attention row
+    # as a decode). Costs the padding of every step to max_num_batched_tokens (benchmarks/RESULTS.md); dense models
+    # only (a MoE layer's expert grouping still depends on the batch).
+    deterministic: bool = False
 
 
 @dataclasses.dataclass
@@ -163,6 +168,9 @@ class Engine:
         self.max_model_len = max_len
         max_pages_per_seq = -(-max_len // config.page_size)
         spec_cfg = SpeculativeConfig.parse(config.speculative)
+        if config.deterministic is True and spec.moe is not None:
+            log.warning("deterministic=True: %s has MoE layers, whose grouping of tokens by expert depends on the "
+                        "batch; its outputs may still change with concurrent traffic", spec.arch)
         if spec_cfg is not None and config.overlap_scheduling:
             raise ValueError("speculative decoding runs without overlapped scheduling (the draft's proposals are "
                              "needed before the target's step is built): leave overlap_scheduling unset or False")
@@ -172,6 +180,7 @@ class Engine:
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
                                   fold_norms=config.fold_norms, command_buffers=config.command_buffers,
+                                  deterministic=config.deterministic,
                                   spec_role="target" if spec_cfg else None,
                                   spec_tokens=spec_cfg.num_tokens if spec_cfg else 0)
         # the draft (its weights, ring pools, distribution buffer) is placed before the target's KV is sized, so

@@ -84,10 +84,12 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=1)
 def source_hash() -> str:
     """sha256 over tbjax's, pallas_kernels' and sharding's Python sources (a code change is a new key)."""
-    import importlib
     h = hashlib.sha256()
+    # the packages are siblings of tbjax (a checkout or site-packages); found by path, not by import, so that a
+    # same-named folder earlier on sys.path (tests/sharding under pytest) is not taken for one
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for pkg in _PACKAGES:
-        root = os.path.dirname(importlib.import_module(pkg).__file__)
+        root = os.path.join(top, pkg)
         for d, _, files in sorted(os.walk(root)):
             for f in sorted(files):
                 if f.endswith(".py"):

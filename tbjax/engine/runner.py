@@ -169,6 +169,7 @@ class _StepStatic:
     kernel_impl: str | None               # decode matmul kernel for this bucket, or None (XLA dots)
     spec_role: str | None = None          # speculative decoding: "target" (verifies drafts), "draft", or None
     branchless: bool = False              # no runtime branch in the sampler (GPU: a conditional blocks dispatch)
+    rows_as_decodes: bool = False         # every row's attention as a one-query decode (deterministic mode)
 
 
 def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _StepStatic):
@@ -194,7 +195,8 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
             return o, (pages, scales)
         pages, scales = write_kv(pages, scales, k, v, inp["slots_T"])
         o = step_attention(q, pages, bt, kv_lens, cu, scale=scale, sliding_window=spec.layer_window(layer),
-                           kv_scales_PK=scales, impl=st.attn_impl)
+                           kv_scales_PK=scales, impl=st.attn_impl,
+                           rows_as_decodes_max_t=q.shape[0] if st.rows_as_decodes else None)
         return o, (pages, scales)
     attend.mla_latent = spec.mla is not None     # MLA layers hand over their latent form (one kv head, k == v)
 
@@ -270,12 +272,15 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
                  matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False,
                  fp8_scales=None, spec_role: str | None = None, spec_tokens: int = 0, shared_params=None,
-                 command_buffers: str = "auto"):
+                 command_buffers: str = "auto", deterministic: bool = False):
         """spec_role (speculative decoding, tbjax/engine/speculative.py): "target" gives every step
         max_num_seqs * (spec_tokens + 1) sampling slots (a verify entry samples each of its rows) and verifies drafts
         against the draft-distribution buffer; "draft" stores each sampled row's distribution there.
         shared_params: the placed parameters of another runner on the same mesh (the "self" draft runs the target's
-        weights): nothing is placed or copied."""
+        weights): nothing is placed or copied.
+        deterministic: one token bucket (the budget) instead of the list, and every row's attention as a one-query
+        decode: a row's result then depends only on its own sequence, not on what shares the step, the step's size
+        or how its prompt was chunked (docs/step.md, "Batch invariance")."""
         if spec_role not in (None, "target", "draft"):
             raise ValueError(f"spec_role must be None, 'target' or 'draft', got {spec_role!r}")
         self.spec_role, self.spec_tokens = spec_role, int(spec_tokens)
@@ -315,7 +320,11 @@ class ModelRunner:
         # XLA:CPU's bf16 single-row dot against a transposed matrix (the tied lm_head) is ~14x slower than two
         # rows (measured: 174 ms vs 12 ms for SmolLM2), so CPU buckets hold at least two tokens and sequences.
         self.min_seqs = 2 if jax.default_backend() == "cpu" else 1
-        self.buckets = token_buckets(max(max_num_batched_tokens, self.min_seqs), self.min_seqs)
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+        self.deterministic = deterministic
+        budget = max(max_num_batched_tokens, self.min_seqs)
+        self.buckets = (budget,) if deterministic else token_buckets(budget, self.min_seqs)
         self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
         self.max_samples = self.samples_for(self.buckets[-1])       # M: sampling slots of the largest bucket
         self.q_rows = self.max_num_seqs * self.spec_tokens         # draft-distribution rows per rank (speculative)
@@ -416,7 +425,8 @@ class ModelRunner:
 
     def _static(self, bucket: int) -> _StepStatic:
         return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role,
-                           branchless=self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"))
+                           branchless=self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"),
+                           rows_as_decodes=self.deterministic)
 
     def _layout(self, bucket: int) -> tuple:
         return self._empty_inputs(bucket).pack()[2]

@@ -235,6 +235,7 @@ class SpeculativeDecoder:
             max_pages_per_seq=target.max_pages, attn_impl=ec.attn_impl, matmul_impl=ec.matmul_impl,
             layer_buffers=ec.layer_buffers if params is not None else target.layer_buffers,
             fold_norms=ec.fold_norms and params is not None, spec_role="draft", spec_tokens=self.k,
+            deterministic=ec.deterministic,
             shared_params=target.params if params is None else None)
         self.num_ranks = self.runner.num_ranks
         self.pages_per_rank = ec.max_num_seqs * self.ring + 1          # + the null page

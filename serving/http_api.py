@@ -51,8 +51,8 @@ from pallas_kernels.utils import is_int, is_number
 
 from .api import pb
 from .engine_loop import EngineStopped
-from .limits import RequestError, build_params, check_sampling, check_text_bytes, shown, token_ids_in_vocab
-from .server import take_stops
+from .limits import (RequestError, StreamFailed, build_params, check_sampling, check_text_bytes, shown, take_stops,
+                     token_ids_in_vocab)
 
 __all__ = ["HTTPFrontend", "APIError", "parse_completion_request", "parse_chat_request"]
 
@@ -785,7 +785,6 @@ class HTTPFrontend:
 
     async def _pump(self, c: _Choice, slot, stream, n_prompt: int, t_arrival: float, t_validated: float,
                     queue: asyncio.Queue, stops=()) -> None:
-        from .server import StreamFailed
         try:
             async with contextlib.aclosing(self.servicer.stream(slot, stream, n_prompt, t_arrival, t_validated,
                                                                 protocol="http", stops=stops)) as chunks:

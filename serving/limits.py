@@ -16,7 +16,7 @@ import grpc
 from pallas_kernels.utils import check_int
 
 __all__ = ["Limits", "RequestError", "CheckedRequest", "check_generate", "check_tokenize", "token_ids_in_vocab",
-           "shown", "check_request_id", "check_text_bytes"]
+           "shown", "check_request_id", "check_text_bytes", "StreamFailed", "take_stops"]
 
 SHOWN_CHARS = 64   # the most characters of a client's value that an error message quotes
 
@@ -44,6 +44,16 @@ class RequestError(Exception):
 
     def __repr__(self) -> str:
         return f"RequestError({self.code.name}, {self.message!r})"
+
+
+class StreamFailed(Exception):
+    """A request failed after it was accepted (engine refusal, crash, shutdown); ``code`` is the gRPC status that
+    says so (front ends map it to theirs)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def _invalid(msg: str) -> RequestError:
@@ -310,3 +320,12 @@ def build_params(make_params: Callable[..., Any], kwargs: dict[str, Any], vocab_
     except (ValueError, TypeError) as e:
         raise _invalid(f"sampling params: {e}") from None
     return params
+
+
+def take_stops(params) -> list[str]:
+    """Take the stop strings out of ``params`` (the engine gets none): the front end applies them to the text it
+    streams (``tbjax.tokenizer.StopStrings``: held back while they may still match, never sent then taken back)."""
+    stops = list(getattr(params, "stop", None) or ())
+    if stops:
+        params.stop = []
+    return stops

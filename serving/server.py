@@ -44,8 +44,8 @@ from grpc_reflection.v1alpha import reflection
 
 from .api import API_VERSION, FINISH_REASONS, METHODS, SERVICE_NAME, Undecodable, lenient_deserializer, pb
 from .engine_loop import Admitted, EngineFailed, EngineLoop, EngineStopped, RequestStream
-from .limits import (SHOWN_CHARS, Limits, RequestError, build_params, check_generate, check_request_id,
-                     check_tokenize, shown)
+from .limits import (SHOWN_CHARS, Limits, RequestError, StreamFailed, build_params, check_generate, check_request_id,
+                     check_tokenize, shown, take_stops)
 from .metrics import ServerMetrics
 from .model import ServedModel
 
@@ -86,25 +86,6 @@ class Chunk:
     logprobs: list
     finished: bool = False
     finish_reason: str | None = None
-
-
-class StreamFailed(Exception):
-    """A request failed after it was accepted (engine refusal, crash, shutdown); ``code`` is the gRPC status that
-    says so (front ends map it to theirs)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def take_stops(params) -> list[str]:
-    """Take the stop strings out of ``params`` (the engine gets none): the front end applies them to the text it
-    streams (``tbjax.tokenizer.StopStrings``: held back while they may still match, never sent then taken back)."""
-    stops = list(getattr(params, "stop", None) or ())
-    if stops:
-        params.stop = []
-    return stops
 
 
 class Slot:
@@ -673,7 +654,7 @@ class Server:
         self._server = server
         self.bound_port = port
         if self.http_port is not None:
-            from .http_api import HTTPFrontend
+            from .http_api import HTTPFrontend   # local: FastAPI (~0.2 s to import) only with the HTTP API on
             self.http = HTTPFrontend(self)
             try:
                 self.bound_http_port = await self.http.start(self.http_host, self.http_port)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import common, gpu, reference, tpu, tuning
+from .dispatch import resolve_impl
 
 log = logging.getLogger("pallas_kernels.paged_attention")
 
@@ -109,7 +110,7 @@ def select_pages(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP, kv_lens_S, *, page_
   if top_k_pages > 0:
     scores = jnp.where(cand, page_scores(q_SNH, kmin_PKH, kmax_PKH, block_tables_SP), -jnp.inf)
     scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
-    top_v, top_i = lax.top_k(scores, min(top_k_pages, Pmax))  # [S, K, k]
+    top_v, top_i = lax.top_k(scores, min(top_k_pages, Pmax))  # [S, K, min(top_k_pages, Pmax)]
     chosen = jnp.zeros((S, K, Pmax), bool)
     s_idx = jnp.arange(S)[:, None, None]
     k_idx = jnp.arange(K)[None, :, None]
@@ -148,7 +149,6 @@ def paged_sparse_decode_attention(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens
                                   num_sink_pages, num_window_pages, top_k_pages, scale=None, soft_cap=None,
                                   kv_scales_PK=None, impl="auto", return_selection=False):
   """Sparse decode attention: select pages per (sequence, kv head), then attend over them only."""
-  from .dispatch import resolve_impl  # local: dispatch imports this module's siblings only
   S, N, K, g, P, G, H = common.check_decode(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S, kv_scales_PK,
                                             soft_cap=soft_cap, sliding_window=None)
   if tuple(kmin_PKH.shape) != (P, K, H) or tuple(kmax_PKH.shape) != (P, K, H):

@@ -1,11 +1,11 @@
 """The engine in its own process: ``EngineProcess``, a drop-in for ``EngineLoop`` whose engine runs in a child.
 
-Why: in one process the engine thread and the gRPC server's asyncio loop share one GIL. Measured on CPU with
-the fake engine at H200-like step times (benchmarks/RESULTS.md, "gRPC serving (issue 7)"), the engine thread
-then waits for the GIL each time it wakes from the device (and again after handing a step's outputs over), so
+Why: in one process the engine thread and the gRPC server's asyncio loop share one GIL. Measured on CPU with the fake
+engine at H200-like step times (benchmarks/RESULTS.md, "gRPC serving": the front end at H200 engine rates), the engine
+thread then waits for the GIL each time it wakes from the device (and again after handing a step's outputs over), so
 every step gets longer while the server streams, and gRPC throughput falls below the offline engine's. Here the
-engine's loop (take commands, step, send outputs) runs in a child process with its own interpreter: the
-server's Python work can no longer stretch an engine step; it can only delay delivery.
+engine's loop (take commands, step, send outputs) runs in a child process with its own interpreter: the server's
+Python work can no longer stretch an engine step; it can only delay delivery.
 
 Wire: two one-way pipes. Parent -> child: ("add", rid, n, prompt ids, params) / ("abort", rid, n) /
 ("call", id, fn) / ("stop",). Child -> parent, one message per loop iteration (so a whole step's outputs cost

@@ -15,12 +15,13 @@ out of the region into its pools. Both copies go through a ``HostCopier``:
 ``auto`` picks cupy on a GPU when it imports, else jax-pinned on a GPU, else numpy.
 
 Device to device: when both sides are GPU processes on one host, the decode side can also export a device staging
-buffer by CUDA IPC (``IpcArena``); the prefill side copies its pages device to device into it (no host memory, no
-PCIe on one GPU). The decode side's ``Landing`` takes every chunk of a reservation into one device buffer (one
-queued copy per chunk, one wait and one checksum program per transfer). Measured on the H200 (benchmarks/RESULTS.md,
-session 3): 1.07 GB of KV between two processes in 12.9 ms by IPC (83 GB/s), 34 ms through shared memory with the
-cupy copier (31 GB/s; the copies run at 55 GB/s each way, ~97 GB/s both ways at once), 0.3 GB/s as gRPC bytes; a
-134 MB transfer takes ~10 ms on either fast path: a fixed ~8-9 ms per transfer, not the copying, bounds them.
+buffer by CUDA IPC (``IpcArena``); the prefill side copies its pages device to device into it (no host memory, no PCIe
+on one GPU). The decode side's ``Landing`` takes every chunk of a reservation into one device buffer (one queued copy
+per chunk, one wait and one checksum program per transfer). Measured on the H200 (benchmarks/RESULTS.md, "Same-host
+data planes on the H200": per-transfer landing): 1.07 GB of KV between two processes in 12.9 ms by IPC (83 GB/s),
+34 ms through shared memory with the cupy copier (31 GB/s; the copies run at 55 GB/s each way, ~97 GB/s both ways at
+once), 0.3 GB/s as gRPC bytes; a 134 MB transfer takes ~10 ms on either fast path: a fixed ~8-9 ms per transfer, not
+the copying, bounds them.
 
 Integrity: each chunk carries the 64-bit device-side checksum of ``tbjax.engine.kv_pages.chunk_checksums``
 (computed on the prefill device before the copy, re-computed on the decode device after it), not crc32 (which

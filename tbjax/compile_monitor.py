@@ -1,14 +1,13 @@
 """Counts the XLA compiles of this process (and how long they took), from the moment ``install()`` is called.
 
-Why it exists: a serving process must compile every program it will run *before* it reports ready (issue "Compiled
-up front, never again"); a compile that happens later stalls every request in the batch for seconds to minutes. To
-check that (in tests, and in production through the ``tbjax_xla_compiles_total`` / ``tbjax_xla_compile_seconds``
-metrics) we need the number of compiles as JAX sees them, whatever code triggered them (the engine's runner, a
-sampler, a jnp op outside any jit). JAX reports each backend compile through ``jax.monitoring``: the event
-``/jax/core/compile/backend_compile_duration`` (``jax._src.dispatch.BACKEND_COMPILE_EVENT`` in jax 0.11.2), one per
-call of ``compiler.compile_or_get_cached``, i.e. per XLA executable built. A program loaded from the persistent
-compilation cache counts too (it is still one executable built, just faster); a jit call served from JAX's in-memory
-cache does not (no event).
+Why it exists: a serving process must compile every program it will run *before* it reports ready; a compile that
+happens later stalls every request in the batch for seconds to minutes. To check that (in tests, and in production
+through the ``tbjax_xla_compiles_total`` / ``tbjax_xla_compile_seconds`` metrics) we need the number of compiles as
+JAX sees them, whatever code triggered them (the engine's runner, a sampler, a jnp op outside any jit). JAX reports
+each backend compile through ``jax.monitoring``: the event ``/jax/core/compile/backend_compile_duration``
+(``jax._src.dispatch.BACKEND_COMPILE_EVENT`` in jax 0.11.2), one per call of ``compiler.compile_or_get_cached``, i.e.
+per XLA executable built. A program loaded from the persistent compilation cache counts too (it is still one
+executable built, just faster); a jit call served from JAX's in-memory cache does not (no event).
 
 ``install()`` is idempotent (``jax.monitoring`` has no way to remove a listener, so it registers one, once).
 ``count()`` / ``seconds()``: compiles and their total seconds so far; ``durations()``: each compile's seconds, in

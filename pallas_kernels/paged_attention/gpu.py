@@ -35,14 +35,15 @@ Design notes
 - Pool content at positions >= kv_len must be finite (a zero-initialized pool and write_kv ensure it): a
   masked probability is 0, but 0 * NaN would still poison the PV product.
 
-Measured on one H200 (benchmarks/RESULTS.md "Paged attention"; 8 kv heads x 128, page 16, GQA 4): bf16 decode with
-the current defaults (64-token steps x 2 stages, two CTAs per SM, "waves" split-K) reads KV at 78-105% of the copy
-ceiling from batch 8 x 1k up (batch 32 x 1k: 91%, 0.035 ms; batch 8 x 8k: 94%), 1.0-1.33x faster than the previous
-defaults (128 x 2, "sms2") and 1.6-1.9x faster than JAX's deprecated Triton paged_attention. Batch 1 stays
-latency-bound (14-77%). fp8 pools run in gpu_fp8.py's warp-specialized kernel: 0.64x the previous fp8 time, but
-still 1.09-1.38x the bf16 time (goal <= 0.6x NOT met; see gpu_fp8.py for what limits it). Not measured on a GPU:
-fp8_qk=True (tuning: fp8_qk, default off) runs QK^T as an fp8 wgmma with q quantized per row to e4m3, widening only V, in
-both fp8 kernels (see gpu_fp8.py); the default stays the exact f16 path until a measurement shows it faster.
+Measured on one H200 (benchmarks/RESULTS.md "Paged attention"; 8 kv heads x 128, page 16, GQA 4): bf16 decode with the
+current defaults (64-token steps x 2 stages, two CTAs per SM, "waves" split-K) reads KV at 78-105% of the copy ceiling
+from batch 8 x 1k up (batch 32 x 1k: 91%, 0.035 ms; batch 8 x 8k: 94%), 1.0-1.33x faster than 128-token steps x 2
+stages with "sms2" splits and 1.6-1.9x faster than JAX's deprecated Triton paged_attention. Batch 1 stays
+latency-bound (14-77%). fp8 pools run in gpu_fp8.py's warp-specialized kernel: 0.64x the time of inline conversion
+with "sms2" splits, but 1.09-1.38x the bf16 time (goal <= 0.6x NOT met; see gpu_fp8.py for what limits it). Not
+measured on a GPU: fp8_qk=True (tuning: fp8_qk, default off) runs QK^T as an fp8 wgmma with q quantized per row to
+e4m3, widening only V, in both fp8 kernels (see gpu_fp8.py); the default stays the exact f16 path until a measurement
+shows it faster.
 """
 from __future__ import annotations
 
@@ -710,7 +711,7 @@ def paged_decode_attention_gpu(q_SNH, kv_pages_PGKH, block_tables_SP, kv_lens_S,
   sequence is cut at run time into chunks in proportion to its real length so that one wave of programs shares
   out the real work (decode_work_list), a kv_len-0 slot's program exits at once (no q, no pages, no store), and
   only split sequences are merged afterwards (combine_work_list). `splits` forces that many chunks per sequence.
-  work_list=False (and fp8_compute_wgs=2): the older static split count (choose_splits / split_policy, from the
+  work_list=False (and fp8_compute_wgs=2): a static split count (choose_splits / split_policy, from the
   table width or the static hint max_kv_len), still with the real blocks divided over the splits at run time
   and idle programs skipping q and pages.
 

@@ -1,9 +1,9 @@
 """Warp-specialized Mosaic GPU decode kernel for fp8 (e4m3 / e5m2) KV pools.
 
-Why it exists: Hopper's wgmma has no fp8 x f16 form and fp8 wgmma needs both operands K-major (V is not), so
-fp8 pages must be widened to f16 in shared memory before the matmuls. In the one-warpgroup kernel (gpu.py)
-that conversion sat on the critical path of every step and fp8 pools ran 1.4x SLOWER than bf16 (H200,
-benchmarks/RESULTS.md). Here the work of one program is split over warpgroups:
+Why it exists: Hopper's wgmma has no fp8 x f16 form and fp8 wgmma needs both operands K-major (V is not), so fp8 pages
+must be widened to f16 in shared memory before the matmuls. In the one-warpgroup kernel (gpu.py) that conversion sits
+on the critical path of every step: 1.18-1.45x the bf16 time at equal split policy (H200, benchmarks/RESULTS.md,
+"Paged attention"; the numbers below). Here the work of one program is split over warpgroups:
 
 - C converter warpgroups (wg 1..C): each owns the steps i with i % C == wg - 1. For its step it issues the
   TMAs of the block's fp8 K/V pages into its slots of the fp8 ring, waits for them, widens them to f16
@@ -22,13 +22,13 @@ exactly value x 2^-8, the 2^8 folded into the logit scale and one multiply of th
 the same shared memory (RefUnion views), writing the head dim in widen_permutation order (q is permuted to
 match, the output permuted back). Exact, but slower than cvt on the H200.
 
-Measured (H200, benchmarks/RESULTS.md, batch 8 x 8k, GQA 4, bf16 = 0.080 ms with the old bf16
-defaults / 0.067 ms with the new): inline conversion 0.116 ms ("sms2" splits) / 0.079 ("waves"); this kernel
-with 1 converter x 128-token steps 0.074 (the default), 1-3 converters x 64-token steps 0.085, 2 converters x
-128 0.084; "bits" 0.091-0.119. More converter warpgroups do not help and integer widening is slower, and the
-fp8 kernel moves tokens at about the bf16 kernel's token rate (fp8/bf16 time 0.9-1.1 at equal split policy).
-Hypothesis (not profiled): once the bytes halve, the limit is the single compute warpgroup's serial per-step
-chain (QK wgmma -> softmax -> PV wgmma at M=64 rows of which 4-8 are used), not the conversion.
+Measured (H200, benchmarks/RESULTS.md, batch 8 x 8k, GQA 4, bf16 = 0.080 ms at 128-token steps x 2 stages with "sms2"
+splits / 0.067 ms at the defaults, 64 x 2 with "waves"): inline conversion 0.116 ms ("sms2" splits) / 0.079 ("waves");
+this kernel with 1 converter x 128-token steps 0.074 (the default), 1-3 converters x 64-token steps 0.085, 2
+converters x 128 0.084; "bits" 0.091-0.119. More converter warpgroups do not help and integer widening is slower, and
+the fp8 kernel moves tokens at about the bf16 kernel's token rate (fp8/bf16 time 0.9-1.1 at equal split policy).
+Hypothesis (not profiled): once the bytes halve, the limit is the single compute warpgroup's serial per-step chain (QK
+wgmma -> softmax -> PV wgmma at M=64 rows of which 4-8 are used), not the conversion.
 fp8_compute_wgs=2 (opt-in, not measured on a GPU) tests that hypothesis:
 two compute warpgroups take alternate steps (steps i % 2 == c), each with its own acc/m/l, and each writes its
 own split-K partial (so the existing combine merges them); one converter feeds both. Checked in the GPU

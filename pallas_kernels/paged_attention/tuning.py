@@ -18,7 +18,7 @@ Fields:
   ragged_waves     ragged kernels: persistent programs = this many waves, each looping over the real work items.
   work_list        dense decode: the split count chosen at run time from the real lengths (gpu.decode_work_list).
                    Off: the static split over a table as wide as the engine's (8192 pages) measured as fast
-                   (benchmarks/RESULTS.md, paged attention Run E).
+                   (benchmarks/RESULTS.md, "Paged attention", a block table 8192 pages wide).
   decode_block     (kv tokens per step, stages) of the one-warpgroup bf16 decode kernel (gpu.choose_block): 64 x 2
                    (~81 KiB of shared memory, two CTAs per SM) gave 78-105% of the copy ceiling from batch 8 x 1k
                    up with the "waves" policy, where 128 x 2 (one CTA per SM) gave 59-104%.
@@ -28,7 +28,7 @@ Fields:
                    small to force several work items per persistent program.
   detect_races     interpret mode only: the GPU interpreter reports unsynchronized shared-memory accesses of the
                    warp-specialized fp8 kernel (a check, not a tuned value; off by default: slow).
-The measurements: benchmarks/RESULTS.md, "Paged attention" (runs A-E).
+The measurements: benchmarks/RESULTS.md, "Paged attention" (one H200, 2026-11-29 and 12-01).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Why this module exists: an MLA layer caches one latent per token ([c | k_r], C =
 = 576 numbers for DeepSeek-V3), read by the absorbed attention as both key and value. Stored as the key AND the value
 of a one-head GQA pool it would take 2C per token; here the pool keeps GQA's layout [P, G, 2K, H] with K = 1 and
 H = ceil(C / 2): the K slot holds the latent's first half and the V slot its second half (a zero dim pads an odd C).
-So the cache holds C numbers per token (half the earlier layout: twice the tokens per byte), and everything that
+So the cache holds C numbers per token (half of 2C: twice the tokens per byte), and everything that
 treats pools generically keeps working unchanged: the page allocator, prefix sharing, fp8 quantization with
 per-page scales (one scale per half), KV export/transfer between engines.
 

@@ -63,7 +63,7 @@ LAYER_BUFFERS = ("auto", "stacked", "split")
 DENSE_UP_TO = 64
 # XLA:GPU command buffers (CUDA graphs) for the step programs when EngineConfig.command_buffers is "auto". Off: on
 # the H200 the Llama-8B decode step was faster without them at 32 x 1k, 64 x 8k and 1 x 1k in two separate calls
-# (benchmarks/RESULTS.md, sessions 8 and 9).
+# (benchmarks/RESULTS.md, H200 runs of 2026-12-02 and 2026-12-04).
 GPU_COMMAND_BUFFERS = False
 COMMAND_BUFFERS = ("auto", "on", "off")
 
@@ -233,7 +233,7 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
            # crashes Shardy's unused-input canonicalization of the shard_map on XLA:CPU, jax 0.11.2)
            "tokens_M": jax.lax.dynamic_update_slice(jnp.zeros_like(prev_M), tok_S, (0,)),
            # the top logprobs are not computed here: a top-k over [S, V] on every step cost 0.3-1 ms on the H200
-           # (RESULTS.md, session 8); `ModelRunner.top_logprobs` runs it on the steps that need it
+           # (benchmarks/RESULTS.md, 2026-12-02); `ModelRunner.top_logprobs` runs it on the steps that need it
            "logprobs": logprobs_SV, **extra}
     return out, caches
 

@@ -1,9 +1,9 @@
 """How the model's projections run: XLA dots, or the decode weight-streaming kernel reading a layer in place.
 
-Why this module exists: decode matmuls are bound by how fast the weights stream out of HBM (issue 9). The
-Mosaic GPU kernel (pallas_kernels.matmul) reads layer j of a stacked [L, D, F] weight in place; slicing `w[j]`
-first and handing the slice to a custom call would make XLA copy it. So layer code never slices a weight it
-multiplies: it asks `linear(p, "w_qkv", x)` and `p` decides.
+Why this module exists: decode matmuls are bound by how fast the weights stream out of HBM (benchmarks/RESULTS.md,
+"Decode matmuls"). The Mosaic GPU kernel (pallas_kernels.matmul) reads layer j of a stacked [L, D, F] weight in place;
+slicing `w[j]` first and handing the slice to a custom call would make XLA copy it. So layer code never slices a
+weight it multiplies: it asks `linear(p, "w_qkv", x)` and `p` decides.
 
 `p` is either
   * a plain dict of per-layer arrays (whole-prompt forwards, mesh forwards, prefill steps): XLA dots, or

@@ -1,8 +1,11 @@
 """Helpers shared by the serving tests and the load tool's self-check (not used by the server itself).
 
 - ``kv_pages_all_free(engine)``: run on the engine thread (``EngineLoop.call``) to check that no request is
-  left and that every KV page comes back once the prefix cache lets go of its (unlocked) pages.
-- ``BAD_REQUESTS``: the bad-input cases of the issue, each with the status code it must get.
+  left and that every KV page comes back once the prefix cache lets go of its (unlocked) pages;
+  ``wait_kv_pages_all_free(st)`` polls it on a ``ServerThread``'s engine until it holds.
+- ``metric_series(text, model_name)``: a Prometheus text page by series, each sample checked for the served name.
+- ``run_in_threads(fn, n)``: ``fn(0) .. fn(n - 1)`` at once, one thread each (concurrent client calls).
+- ``BAD_REQUESTS``: the bad inputs the server must refuse, each with the status code it must get.
 - ``raw_generate(channel, payload)``: send raw bytes as a GenerateRequest (for invalid UTF-8 and the like).
 - ``stalling_sender``: a prefill worker's KV sender factory whose transfers of chosen requests hang mid-way.
 """
@@ -10,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from .api import method_path, pb
 from .kv_transfer import KVSender
 
-__all__ = ["kv_pages_all_free", "BadRequest", "BAD_REQUESTS", "raw_generate", "encode_field", "StallingSender",
-           "stalling_sender"]
+__all__ = ["kv_pages_all_free", "wait_kv_pages_all_free", "metric_series", "run_in_threads", "BadRequest",
+           "BAD_REQUESTS", "raw_generate", "encode_field", "StallingSender", "stalling_sender"]
 
 
 def kv_pages_all_free(engine) -> dict:
@@ -35,6 +41,44 @@ def kv_pages_all_free(engine) -> dict:
             r.cache.clear()
         out.append((r.allocator.num_free, r.allocator.num_usable))
     return {"ranks": out, "all_free": all(f == u for f, u in out)}
+
+
+def wait_kv_pages_all_free(st, timeout: float = 10.0, call_timeout: float = 10.0) -> dict:
+    """Poll ``kv_pages_all_free`` on the engine thread of ``st`` (a ``ServerThread``) until every page is free (a
+    request still held counts as not yet); its last report. AssertionError after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            r = st.server.engine_loop.call(kv_pages_all_free).result(call_timeout)
+            if r["all_free"]:
+                return r
+        except AssertionError:
+            r = None
+        if time.time() > deadline:
+            raise AssertionError(f"KV pages not all free after {timeout} s: {r}")
+        time.sleep(0.02)
+
+
+def metric_series(text: str, model_name: str) -> dict:
+    """Prometheus text by series (``name{label="v",...}``), keyed without the label ``model_name``, which every sample
+    must carry with the served name."""
+    vals = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == model_name, s
+            own = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            vals[s.name + (f"{{{own}}}" if own else "")] = s.value
+    return vals
+
+
+def run_in_threads(fn: Callable[[int], object], n: int, timeout_s: float = 60.0) -> None:
+    """Run ``fn(i)`` for i in 0 .. n - 1 at once, one thread each, and wait up to ``timeout_s`` for each thread."""
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout_s)
 
 
 def encode_field(number: int, wire_type: int, payload: bytes) -> bytes:

@@ -60,9 +60,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.matmul import gpu_fused, gpu_ws, tuning
 from pallas_kernels.matmul.gpu_blocks import (MAX_T, SMEM_LIMIT, X_SHIFT, Plan, TileConfig, block_scale_reader,
                                               body_refs, in_specs, kernel_args, launch, num_sms_default, padded_t,
-                                              pipeline_stages, pipeline_step, slots_of_runs, split_operands,
-                                              stage_bytes, stream_k_maps, tile_transforms, unsupported_reason,
-                                              widen_fp8_tile, x_to_f16)
+                                              partials_flush, pipeline_stages, pipeline_step, slots_of_runs,
+                                              split_operands, stage_bytes, stream_k_maps, tile_transforms,
+                                              unsupported_reason, widen_fp8_tile, x_to_f16)
 from pallas_kernels.matmul.reference import BLOCK, is_fp8
 
 __all__ = ["MAX_T", "SMEM_LIMIT", "X_SHIFT", "Plan", "TileConfig", "padded_t", "unsupported_reason", "make_plan",
@@ -95,8 +95,8 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
     is an int32 [1] layer index; the kernel reads that layer's tiles in place (no slice copy).
     block_scaled: each step's 128x128-block scales are read from GMEM one step ahead and carried
     through the pipeline, so the load latency hides behind a step. (Staging scales in SMEM by TMA
-    was tried: per-step 16-byte tiles gave misaligned TMA destinations, a per-CTA scale window
-    raised an illegal instruction on the H200; plain scalar loads work.)
+    does not work: per-step 16-byte tiles give misaligned TMA destinations, a per-CTA scale window
+    raises an illegal instruction on the H200; plain scalar loads work.)
     """
     p = plan
     M = p.n_mats
@@ -130,18 +130,7 @@ def _kernel_call(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, interpr
             plgpu.commit_smem()
             return dst
 
-        def on_flush(flush, new_accs, j):
-            @pl.when(flush)
-            def _flush():
-                slot = c - lax.div(j * p.k_steps, p.n_per)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                for m in range(M):
-                    # x_fac: the unscaled/per-channel f16 path still carries x's 2^-X_SHIFT
-                    out_smem[m] = new_accs[m] * x_fac if (f16 and not block_scaled) else new_accs[m]
-                plgpu.commit_smem()
-                for m in range(M):
-                    plgpu.copy_smem_to_gmem(
-                        out_smem.at[m], p_gmem.at[m, slot, pl.ds(j * p.tile_f, p.tile_f)])
+        on_flush = partials_flush(p, c, out_smem, p_gmem, x_fac if (f16 and not block_scaled) else 1.0)
 
         # f16 with block scales: one fresh float32 product per 128-row scale block, scaled in registers
         step = pipeline_step(p, coords, gmem_scales, operand, f16 and block_scaled, x_fac, interpret, on_flush)
@@ -261,7 +250,7 @@ def _jitted_kernel(plan: Plan, w_dtype, block_scaled: bool, stacked: bool, inter
 
 def reduce_partials(part, plan: Plan, t: int):
     """Sum the written slots of P[M, slots, F, Tp] (a static mask) -> float32 y[M, t, F]."""
-    mask = np.repeat(np.asarray(plan.slot_mask, bool), plan.tile_f, axis=1)          # [S, F]
+    mask = np.repeat(np.asarray(plan.slot_mask, bool), plan.tile_f, axis=1)          # [slots, F]
     y = jnp.where(mask[None, :, :, None], part, 0.0).sum(axis=1)                     # [M, F, Tp]
     return jnp.swapaxes(y, 1, 2)[:, :t, :]
 

@@ -2,8 +2,10 @@
 
 Why a module of its own: the three kernels run the same pipeline (stream-K runs of (F tile, D step) steps, TMA
 tiles of x and the weights, e4m3 -> f16 widening, wgmma accumulation, 128x128 block scales read one step ahead)
-and differ in how a CTA finishes an F tile. The pieces they share live here; each kernel module keeps its own
-body, and gpu.py chooses between them. Nothing here imports a kernel module.
+and differ in how a CTA finishes an F tile: the two partials kernels (gpu.py, gpu_ws.py) write their slot of the
+partial buffer alike (partials_flush), the one-launch kernel (gpu_fused.py) finishes the tile itself. The pieces they
+share live here; each kernel module keeps its own body, and gpu.py chooses between them. Nothing here imports a kernel
+module.
 """
 from __future__ import annotations
 
@@ -314,6 +316,26 @@ def pipeline_step(p: Plan, coords, gmem_scales, operand, scaled_mma: bool, x_fac
         on_flush(flush, new_accs, j)
         return reset_if(flush, new_accs), s_next
     return step
+
+
+def partials_flush(p: Plan, cta, out_smem, p_gmem, out_fac: float, at=(), col0=0, cols=None):
+    """on_flush for the partials kernels (gpu.py, gpu_ws.py): under pl.when(flush), store each matrix's sum of F tile
+    j (times out_fac) in out_smem[*at, m] and copy it to its slot of P[M, slots, F, Tp], rows col0 .. col0 + cols of
+    the tile (cols: the whole tile_f by default). at=(wg,), col0=wg * cols: one compute warpgroup's share."""
+    cols = p.tile_f if cols is None else cols
+
+    def on_flush(flush, new_accs, j):
+        @pl.when(flush)
+        def _flush():
+            slot = cta - lax.div(j * p.k_steps, p.n_per)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for m in range(p.n_mats):
+                # out_fac: the unscaled/per-channel f16 path still carries x's 2^-X_SHIFT
+                out_smem[(*at, m)] = new_accs[m] * out_fac if out_fac != 1.0 else new_accs[m]
+            plgpu.commit_smem()
+            for m in range(p.n_mats):
+                plgpu.copy_smem_to_gmem(out_smem.at[(*at, m)], p_gmem.at[m, slot, pl.ds(j * p.tile_f + col0, cols)])
+    return on_flush
 
 
 def widen_fp8_tile(w_smem, dst_smem, p):

@@ -20,8 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, block_scale_reader, body_refs, in_specs, launch, pipeline_step,
-                                              stream_k_maps, tile_transforms, widen_fp8_tile)
+from pallas_kernels.matmul.gpu_blocks import (X_SHIFT, block_scale_reader, body_refs, in_specs, launch, partials_flush,
+                                              pipeline_step, stream_k_maps, tile_transforms, widen_fp8_tile)
 from pallas_kernels.matmul.reference import is_fp8
 
 MEMORY_REGISTERS = 40
@@ -61,18 +61,8 @@ def kernel_call_ws(plan, w_dtype, block_scaled: bool, stacked: bool, interpret: 
                 w_mine = w_smem.at[:, cols]
                 return widen_fp8_tile(w_mine, deq_smems[m].at[wg], p) if f16 else w_mine
 
-            def on_flush(flush, new_accs, j):
-                @pl.when(flush)
-                def _flush():
-                    slot = c - lax.div(j * p.k_steps, p.n_per)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for m in range(M):
-                        out_smem[wg, m] = new_accs[m] * x_fac if (f16 and not block_scaled) else new_accs[m]
-                    plgpu.commit_smem()
-                    for m in range(M):
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, m],
-                            p_gmem.at[m, slot, pl.ds(j * p.tile_f + wg * wg_f, wg_f)])
+            on_flush = partials_flush(p, c, out_smem, p_gmem, x_fac if (f16 and not block_scaled) else 1.0,
+                                      at=(wg,), col0=wg * wg_f, cols=wg_f)
 
             step = pipeline_step(p, coords, gmem_scales, operand, block_scaled, x_fac, interpret, on_flush)
 

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpu_hlo_helpers import run_gpu_hlo_script
 from tbjax.sampling import SamplingParams, SamplingParamsError, keep_mask_numpy, sample
 
 
@@ -147,18 +148,6 @@ def test_branchless_sampler_draws_what_the_full_sort_draws(temp, k, p, mp, ties)
 def test_branchless_step_has_no_conditional_on_gpu():
     """What the branchless sampler is for: the engine's GPU step program (compiled for sm_90 without a GPU) has no
     entry-level conditional or while loop, whose predicate XLA:GPU would copy to the host, blocking the dispatch."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    plugin = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
-    if not os.path.isdir(os.path.join(plugin, "jax_plugins", "xla_cuda12")):
-        pytest.skip(f"jax-cuda12-plugin not found in {plugin} (see tests/model/test_decode_hlo.py)")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([plugin, root]))
-    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_hlo_decode.py"), "--layers", "3",
-                          "--variants", "stacked:folded", "--no-thunks", "--quiet"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["variants"]
+    (r,) = run_gpu_hlo_script("gpu_hlo_decode.py", "--layers", "3", "--variants", "stacked:folded", "--no-thunks",
+                              "--quiet")["variants"]
     assert r["control_flow"] == [], r["control_flow"]

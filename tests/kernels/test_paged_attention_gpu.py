@@ -13,7 +13,8 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import common, gpu, gpu_fp8, sparse, tuning
-from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_pool, random_ragged
+from test_paged_attention_oracle import (fresh_rng, max_err, poison_unread_pages, random_decode, random_pool,
+                                         random_ragged)
 
 TOL = 2e-2  # bf16 probabilities in the PV matmul and a bf16 output
 
@@ -181,15 +182,22 @@ def _lower_cuda(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_gpu_kernels_lower_for_cuda(dtype):
-  """Decode (split and unsplit), ragged and sparse kernels at production-like shapes lower through Mosaic GPU."""
-  S, K, g, H, G, Pmax, P = 4, 8, 4, 128, 16, 512, 4096
+def _lowering_operands(dtype, S, *, Pmax, P, K=8, g=4, H=128, G=16):
+  """(q, kv, bt, lens, kv scales) for a decode lowering: shapes only (ShapeDtypeStruct), scales for fp8 pools."""
   sd = jax.ShapeDtypeStruct
   q = sd((S, K * g, H), jnp.bfloat16)
   kv = sd((P, G, 2 * K, H), dtype)
   bt, lens = sd((S, Pmax), jnp.int32), sd((S,), jnp.int32)
   sc = None if dtype == jnp.bfloat16 else jnp.ones((P, 2 * K), jnp.float32)
+  return q, kv, bt, lens, sc
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_gpu_kernels_lower_for_cuda(dtype):
+  """Decode (split and unsplit), ragged and sparse kernels at production-like shapes lower through Mosaic GPU."""
+  S, K, g, H = 4, 8, 4, 128
+  sd = jax.ShapeDtypeStruct
+  q, kv, bt, lens, sc = _lowering_operands(dtype, S, Pmax=512, P=4096)
   for splits in (1, 8):
     txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc,
                                                                            splits=splits), q, kv, bt, lens).as_text()
@@ -266,20 +274,9 @@ def test_fp8_decode_default_kernel_choice():
 WIDE = 32  # table entries per sequence (512 tokens at page 16) while real lengths stay <= 3 pages
 
 
-def _poison_unread_pages(kv, sc, bt, lens, G, block=128):
-  """(kv, sc) with NaN in every page no kernel may read: table entries at or past the block boundary
-  (`block` tokens) after each sequence's kv_len (all entries of a kv_len-0 row)."""
-  bt, lens = np.asarray(bt), np.asarray(lens)
-  need = -(-np.maximum(lens, 0) // block) * block // G  # table entries a kernel may touch
-  dead = np.concatenate([bt[s, need[s]:] for s in range(bt.shape[0])])
-  kv32 = np.asarray(jnp.asarray(kv, jnp.float32)).copy()
-  kv32[dead] = np.nan
-  out_sc = None
-  if sc is not None:
-    out_sc = np.asarray(sc).copy()
-    out_sc[dead] = np.nan
-    out_sc = jnp.asarray(out_sc)
-  return jnp.asarray(kv32).astype(kv.dtype), out_sc
+def _poison_unread_pages(kv, sc, bt, lens, G):
+  """The GPU kernels read KV in blocks of at most 128 tokens."""
+  return poison_unread_pages(kv, sc, bt, lens, G, block=128)
 
 
 def _wide_decode_problem(rng, dtype, S=6, K=2, g=4, H=64, G=16):
@@ -453,12 +450,9 @@ def test_split_choice_does_not_follow_the_table_width():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_gpu_kernels_lower_for_cuda_with_a_wide_table(dtype):
   """128k-token block tables (8192 pages) and 64 slots: decode (default splits, a hint) and ragged lower."""
-  S, K, g, H, G, Pmax, P = 64, 8, 4, 128, 16, 8192, 16384
+  S, K, g, H = 64, 8, 4, 128
   sd = jax.ShapeDtypeStruct
-  q = sd((S, K * g, H), jnp.bfloat16)
-  kv = sd((P, G, 2 * K, H), dtype)
-  bt, lens = sd((S, Pmax), jnp.int32), sd((S,), jnp.int32)
-  sc = None if dtype == jnp.bfloat16 else jnp.ones((P, 2 * K), jnp.float32)
+  q, kv, bt, lens, sc = _lowering_operands(dtype, S, Pmax=8192, P=16384)
   for kw in (dict(), dict(max_kv_len=2048), dict(work_list=True), dict(work_list=True, splits=3)):
     txt = _lower_cuda(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, kv_scales_PK=sc, **kw),
                       q, kv, bt, lens).as_text()

@@ -103,6 +103,22 @@ def random_ragged(rng, *, q_lens, extra, K, g, H, G, Pmax, dtype=jnp.bfloat16, p
   return q, kv, bt, jnp.asarray(lens, jnp.int32), jnp.asarray(cu), sc
 
 
+def poison_unread_pages(kv, sc, bt, lens, G, block):
+  """(kv, sc) with NaN in every page no kernel may read: table entries at or past the `block`-token boundary after
+  each sequence's kv_len (all entries of a kv_len-0 row). Reading one would reach the PV product (0 * NaN = NaN)."""
+  bt, lens = np.asarray(bt), np.asarray(lens)
+  need = -(-np.maximum(lens, 0) // block) * block // G  # table entries a kernel may touch
+  dead = np.concatenate([bt[s, need[s]:] for s in range(bt.shape[0])])
+  kv32 = np.asarray(jnp.asarray(kv, jnp.float32)).copy()
+  kv32[dead] = np.nan
+  out_sc = None
+  if sc is not None:
+    out_sc = np.asarray(sc).copy()
+    out_sc[dead] = np.nan
+    out_sc = jnp.asarray(out_sc)
+  return jnp.asarray(kv32).astype(kv.dtype), out_sc
+
+
 def max_err(a, b):
   a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
   b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)

@@ -13,7 +13,8 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import common, tpu
-from test_paged_attention_oracle import fresh_rng, max_err, random_decode, random_pool, random_ragged
+from test_paged_attention_oracle import (fresh_rng, max_err, poison_unread_pages, random_decode, random_pool,
+                                         random_ragged)
 
 TOL = 2e-2
 
@@ -86,20 +87,9 @@ def test_tpu_kernel_refuses_shapes_it_cannot_run():
 WIDE = 64  # table entries per sequence; real lengths stay <= 3 pages
 
 
-def _poison_unread(kv, sc, bt, lens, G, block=256):
-  """NaN in every page past the `block`-token boundary after each kv_len (all pages of kv_len-0 rows): reading
-  one would reach the PV product. The TPU kernel's block is max(G, 256) tokens."""
-  bt, lens = np.asarray(bt), np.asarray(lens)
-  need = -(-np.maximum(lens, 0) // block) * block // G
-  dead = np.concatenate([bt[s, need[s]:] for s in range(bt.shape[0])])
-  kv32 = np.asarray(jnp.asarray(kv, jnp.float32)).copy()
-  kv32[dead] = np.nan
-  sc_bad = None
-  if sc is not None:
-    sc_bad = np.asarray(sc).copy()
-    sc_bad[dead] = np.nan
-    sc_bad = jnp.asarray(sc_bad)
-  return jnp.asarray(kv32).astype(kv.dtype), sc_bad
+def _poison_unread(kv, sc, bt, lens, G):
+  """The TPU kernel's block is max(G, 256) tokens (G <= 256 here)."""
+  return poison_unread_pages(kv, sc, bt, lens, G, block=256)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])

@@ -12,10 +12,8 @@
    ($TBJAX_CUDA12_PLUGIN_DIR, default /tmp/cuda12plugin); skipped, saying so, without it. The compile runs in
    scripts/gpu_hlo_decode.py (a subprocess, so the plugin never loads into the test process).
 """
-import json
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -24,6 +22,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import byte_tokenizer, tiny_spec
+from gpu_hlo_helpers import run_gpu_hlo_script
 from tbjax.engine import Engine, EngineConfig
 from tbjax.model import forward_hidden, init_params, lm_logits
 from tbjax.model import layers as ly
@@ -35,8 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_hlo_decode as ghd  # noqa: E402
 
-PLUGIN = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
-HAVE_PLUGIN = os.path.isdir(os.path.join(PLUGIN, "jax_plugins", "xla_cuda12"))
 MAX_KERNELS_PER_LAYER = 10          # reached with folded norms (12 unfolded), RESULTS.md, before the one-program step
 
 
@@ -208,17 +205,8 @@ def test_analyse_counts_the_kernels_of_a_layer():
 
 @pytest.fixture(scope="module")
 def folded_decode_step():
-    if not HAVE_PLUGIN:
-        pytest.skip(f"jax-cuda12-plugin not found in {PLUGIN} (set TBJAX_CUDA12_PLUGIN_DIR; install with "
-                    "pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 "
-                    "jax-cuda12-pjrt==0.11.2)")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_hlo_decode.py"), "--layers", "3",
-                          "--variants", "stacked:folded", "--no-thunks", "--quiet"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["variants"]
+    (r,) = run_gpu_hlo_script("gpu_hlo_decode.py", "--layers", "3", "--variants", "stacked:folded", "--no-thunks",
+                              "--quiet")["variants"]
     assert (r["bucket"], r["sequence_slots"], r["pages_per_seq"]) == (32, 32, 64), r
     return r
 
@@ -260,15 +248,8 @@ def test_quantized_weights_are_read_in_their_bytes_on_gpu(weight_dtype):
     a dequantized copy of a weight (5 bytes moved per weight instead of 1: the measured fp8 step took 2.1x the bf16
     one), and each projection stays one GEMM. Per-channel scales multiply the GEMM's result; 128 x 128 block scales
     multiply x once per column block (tbjax/model/linear.py channel_dot / block_dot)."""
-    if not HAVE_PLUGIN:
-        pytest.skip(f"jax-cuda12-plugin not found in {PLUGIN} (see folded_decode_step)")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_hlo_decode.py"), "--layers", "2",
-                          "--variants", "split", "--no-thunks", "--quiet", "--weight-dtype", weight_dtype],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["variants"]
+    (r,) = run_gpu_hlo_script("gpu_hlo_decode.py", "--layers", "2", "--variants", "split", "--no-thunks", "--quiet",
+                              "--weight-dtype", weight_dtype)["variants"]
     D, F, V, qkv = 4096, 14336, 128256, 4096 + 2 * 1024
     weight_sizes = {D * qkv, D * D, D * 2 * F, F * D, D * V}
     kernels = [k for L in r["layers"] for k in L] + r["head"] + r["tail"]

@@ -22,25 +22,11 @@ from serving.client import Client
 from serving.fake_engine import VOCAB, FakeEngine, fake_served_model, reference
 from serving.limits import Limits
 from serving.server import ServerThread
-from serving.testing import kv_pages_all_free
+from serving.testing import wait_kv_pages_all_free
 from tbjax.weights.generation_config import GenerationDefaults
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}]
 IGN = {"ignore_eos": True}   # an extension field: the openai client sends it through extra_body
-
-
-def _wait_all_free(st, timeout=10.0):
-    deadline = time.time() + timeout
-    while True:
-        try:
-            r = st.server.engine_loop.call(kv_pages_all_free).result(10)
-            if r["all_free"]:
-                return r
-        except AssertionError:
-            r = None
-        if time.time() > deadline:
-            raise AssertionError(f"KV pages not all free after {timeout} s: {r}")
-        time.sleep(0.02)
 
 
 def _client(st, **kw) -> OpenAI:
@@ -146,7 +132,7 @@ def test_n_choices_share_the_prompt_pages():
         want = st.server.model.tokenizer.decode(reference(prompt, 100, ignore_eos=True)[0])
         assert got == {i: want for i in range(4)}
         assert used is not None and used < 16 + 4 * 6, used    # one prompt copy + each one's own decode pages
-        _wait_all_free(st)
+        wait_kv_pages_all_free(st)
 
 
 def _sse_events(url, body: dict):
@@ -319,7 +305,7 @@ def test_openai_client_errors(fast):
     assert code == 400 and "JSON" in json.loads(text)["error"]["message"]
     code, _ = _post_raw(st.server.http_url + "/v1/completions", b"x" * (5 << 20))
     assert code == 413
-    _wait_all_free(st)
+    wait_kv_pages_all_free(st)
 
 
 def test_overload_is_429_and_counts_with_grpc():
@@ -349,7 +335,7 @@ def test_overload_is_429_and_counts_with_grpc():
         assert not waiting.done()
         stream.close()                 # the client goes away: both requests are aborted, the waiting one runs
         assert waiting.result(30).choices[0].text
-        _wait_all_free(st)
+        wait_kv_pages_all_free(st)
         r = oa.completions.create(model="fake", prompt=[5], max_tokens=2, temperature=0)   # room again
         assert r.choices[0].text
         with pytest.raises(openai.RateLimitError):   # n over the running limit at once: never fits
@@ -401,14 +387,14 @@ def test_client_going_away_frees_pages(fast):
     stream = oa.completions.create(model="fake", prompt=[20, 21], max_tokens=400, extra_body=IGN, stream=True)
     next(iter(stream))
     stream.close()
-    _wait_all_free(st)
+    wait_kv_pages_all_free(st)
     # non-streaming: a client that times out
     slow = fake_served_model(step_time_s=0.02)
     with ServerThread(slow, metrics_port=None, http_port=0) as st2:
         with pytest.raises(openai.APITimeoutError):
             _client(st2).with_options(timeout=0.5).completions.create(model="fake", prompt=[5], max_tokens=400,
                                                                      extra_body=IGN)
-        _wait_all_free(st2)
+        wait_kv_pages_all_free(st2)
 
 
 def test_same_tokens_as_grpc_and_a_log_line_per_request(fast, caplog):

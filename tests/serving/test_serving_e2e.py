@@ -13,7 +13,7 @@ from serving.client import Client
 from serving.limits import Limits
 from serving.model import DEFAULT_MODEL_NAME, ServedModel
 from serving.server import ServerThread
-from serving.testing import BAD_REQUESTS, kv_pages_all_free, raw_generate
+from serving.testing import BAD_REQUESTS, raw_generate, wait_kv_pages_all_free
 
 import tbjax
 from tbjax.sampling import SamplingParams
@@ -139,16 +139,7 @@ def test_serves_after_the_bad_inputs_and_cancel_frees_pages(served):
     first = [t for _ in range(2) for t in next(stream).token_ids]
     assert first == ref["token_ids"].token_ids[:2]
     stream.close()
-    for _ in range(500):
-        r = None
-        try:
-            r = st.server.engine_loop.call(kv_pages_all_free).result(60)
-        except AssertionError:
-            pass
-        if r and r["all_free"]:
-            break
-        time.sleep(0.02)
-    assert r and r["all_free"], r
+    wait_kv_pages_all_free(st, timeout=30, call_timeout=60)
 
 
 def test_short_soak_on_the_real_model(served, caplog):
@@ -197,16 +188,7 @@ def test_short_soak_on_the_real_model(served, caplog):
 
     outcomes = asyncio.run(main())
     assert outcomes.count("completed") >= 18 and outcomes.count("cancelled") >= 3, outcomes
-    r = None
-    for _ in range(500):
-        try:
-            r = st.server.engine_loop.call(kv_pages_all_free).result(60)
-        except AssertionError:
-            r = None
-        if r and r["all_free"]:
-            break
-        time.sleep(0.02)
-    assert r and r["all_free"], r
+    wait_kv_pages_all_free(st, timeout=30, call_timeout=60)
     server_loggers = ("serving", "tbjax", "grpc", "uvicorn")       # the server's (not the test client's own loop)
     errors = [f"{x.name}: {x.getMessage()[:200]}" for x in caplog.records
               if x.levelno >= logging.ERROR and x.name.startswith(server_loggers)]

@@ -15,28 +15,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving.api import pb
 from serving.client import Client
 from serving.fake_engine import EOS, FakeEngine, fake_served_model, reference
 from serving.limits import Limits
 from serving.server import ServerThread
-from serving.testing import kv_pages_all_free
-
-
-def _wait_all_free(st, timeout=10.0):
-    deadline = time.time() + timeout
-    while True:
-        try:
-            r = st.server.engine_loop.call(kv_pages_all_free).result(10)
-            if r["all_free"]:
-                return r
-        except AssertionError:
-            r = None
-        if time.time() > deadline:
-            raise AssertionError(f"KV pages not all free after {timeout} s: {r}")
-        time.sleep(0.02)
+from serving.testing import kv_pages_all_free, metric_series, run_in_threads, wait_kv_pages_all_free
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +87,11 @@ def test_concurrent_streams_each_equal_reference(fast):
         ids, mt = jobs[i]
         results[i] = c.generate(token_ids=ids, max_tokens=mt, temperature=0)
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    run_in_threads(run, len(jobs))
     for (ids, mt), got in zip(jobs, results):
         want, reason = reference(ids, mt)
         assert got.token_ids == want and got.finish_reason == reason
-    _wait_all_free(st)
+    wait_kv_pages_all_free(st)
 
 
 def test_chat_and_tokenize_match_the_template(fast):
@@ -175,22 +156,9 @@ def test_request_id_echoed_and_duplicates_refused(fast):
     held.result(30)
     aborted = _num_aborted(st)
     call.cancel()
-    _wait_all_free(st)
+    wait_kv_pages_all_free(st)
     assert _num_aborted(st) == aborted + 1
     assert c.generate("Hi", request_id="dup-1", max_tokens=2).request_id == "dup-1"   # free again
-
-
-def _series(text: str, model_name: str) -> dict:
-    """Prometheus text by series (``name{label="v",...}``), keyed without the label ``model_name``, which every sample
-    must carry with the served name."""
-    vals = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = dict(s.labels)
-            assert labels.pop("model_name", None) == model_name, s
-            own = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            vals[s.name + (f"{{{own}}}" if own else "")] = s.value
-    return vals
 
 
 def test_metrics_endpoint(fast):
@@ -201,7 +169,7 @@ def test_metrics_endpoint(fast):
         c.generate(token_ids=[50 + i], max_tokens=5, temperature=0, ignore_eos=True)
     port = st.server.bound_metrics_port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    vals = _series(body, "fake")
+    vals = metric_series(body, "fake")
     assert vals["tbjax_generation_tokens_total"] - before[1] == 5 * n_req
     for name in ("tbjax_time_to_first_token_seconds_count", "tbjax_time_per_output_token_seconds_count",
                  "tbjax_inter_token_latency_seconds_count", 'tbjax_request_phase_seconds_count{phase="queue"}',
@@ -238,7 +206,7 @@ def test_cancellation_frees_pages(fast):
         gate.set()
     running, used = held.result(30)
     assert running == 1 and used >= 11   # 43+ tokens in pages of 4
-    _wait_all_free(st)
+    wait_kv_pages_all_free(st)
     assert _num_aborted(st) == aborted + 1   # freed by the abort, not by running to the end
 
 
@@ -251,7 +219,7 @@ def test_deadline_mid_stream_aborts_and_frees(fast):
             got.append(ch)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0 < len(got) < 480
-    _wait_all_free(st)
+    wait_kv_pages_all_free(st)
     assert _num_aborted(st) == aborted + 1
 
 
@@ -323,7 +291,7 @@ def test_backpressure_engine_refusal_and_engine_crash():
         assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated device failure" in e.value.details()
         got = c.generate(token_ids=[8, 9], max_tokens=6, temperature=0)
         assert got.token_ids == reference([8, 9], 6)[0]
-        _wait_all_free(st)
+        wait_kv_pages_all_free(st)
 
 
 def test_drain_finishes_running_refuses_new():
@@ -381,11 +349,7 @@ def test_engine_in_a_child_process():
         def run(i):
             results[i] = c.generate(token_ids=jobs[i][0], max_tokens=jobs[i][1], temperature=0, logprobs=2)
 
-        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
+        run_in_threads(run, len(jobs))
         for (ids, mt), got in zip(jobs, results):
             want, reason = reference(ids, mt)
             assert got.token_ids == want and got.finish_reason == reason
@@ -401,7 +365,7 @@ def test_engine_in_a_child_process():
         stream = c.generate_stream(token_ids=[7] * 40, max_tokens=300, ignore_eos=True)
         assert not next(stream).finish_reason
         stream.close()
-        _wait_all_free(st)
+        wait_kv_pages_all_free(st)
         assert loop.call(num_aborted).result(10) == aborted + 1
         with pytest.raises(TypeError, match="must pickle"):   # call() needs a picklable fn: its caller hears
             loop.call(lambda e: 1).result(10)
@@ -412,7 +376,7 @@ def test_engine_in_a_child_process():
         assert e.value.code() == grpc.StatusCode.INTERNAL and "engine step failed" in e.value.details()
         loop.call(operator.methodcaller("__setattr__", "step_time_s", 0.002)).result(10)
         assert c.generate(token_ids=[8, 9], max_tokens=6, temperature=0).token_ids == reference([8, 9], 6)[0]
-        _wait_all_free(st)
+        wait_kv_pages_all_free(st)
         deadline = time.time() + 5
         while loop.stats().get("kv_pages_used", -1) != 0 and time.time() < deadline:
             time.sleep(0.05)

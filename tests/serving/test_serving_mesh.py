@@ -3,7 +3,6 @@ engine on a dp=2 x ep=2 mesh (4 fake CPU devices; requests, KV pages, attention-
 streams the tokens that whole-sequence recompute gives, for several concurrent greedy requests, and frees every
 page afterwards."""
 import os
-import threading
 
 import jax.numpy as jnp
 import pytest
@@ -13,7 +12,7 @@ from serving.client import Client
 from serving.limits import Limits
 from serving.model import ServedModel
 from serving.server import ServerThread
-from serving.testing import kv_pages_all_free
+from serving.testing import kv_pages_all_free, run_in_threads
 from tbjax.llm import LLM
 from tbjax.weights.hf_names_moe import load_hf
 
@@ -35,11 +34,7 @@ def test_grpc_on_a_mesh_engine_streams_recompute_tokens():
             def run(i):
                 got[i] = [t for ch in c.generate_stream(token_ids=prompts[i], max_tokens=6, temperature=0.0,
                                                         ignore_eos=True) for t in ch.token_ids]
-            ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(120)
+            run_in_threads(run, len(prompts), timeout_s=120)
         assert [got[i] for i in range(len(prompts))] == want
         free = st.server.engine_loop.call(kv_pages_all_free).result(60)
         assert free["all_free"] and len(free["ranks"]) == 4, free

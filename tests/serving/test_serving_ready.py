@@ -19,34 +19,21 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving.client import Client
 from serving.fake_engine import FakeEngine, fake_served_model, reference
 from serving.server import ServerThread
+from serving.testing import metric_series
 from tbjax import compile_monitor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WARMUP_S = 4.0   # the warm-up the tests' refusals must land inside
 
 
-def _series(text: str, model_name: str) -> dict:
-    """Prometheus text by series (``name{label="v",...}``), keyed without the label ``model_name``, which every sample
-    must carry with the served name."""
-    vals = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = dict(s.labels)
-            assert labels.pop("model_name", None) == model_name, s
-            own = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            vals[s.name + (f"{{{own}}}" if own else "")] = s.value
-    return vals
-
-
 def _metrics(port) -> dict:
     """/metrics by series, keyed without the label ``model_name="fake"`` that every sample must carry."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return _series(body, "fake")
+    return metric_series(body, "fake")
 
 
 def _refused_while_warming(c: Client, still_warming) -> str:

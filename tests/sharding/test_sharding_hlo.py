@@ -16,9 +16,7 @@ CPU-compiled HLO has no async collectives, so this needs the CUDA 12 PJRT plugin
 The plugin directory is $TBJAX_CUDA12_PLUGIN_DIR (default /tmp/cuda12plugin); the GPU tests are skipped, saying so,
 only when that directory has no plugin. The work happens in scripts/gpu_hlo_overlap.py (a subprocess, so that the
 plugin never loads into the test process)."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,9 +24,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_hlo_overlap as gho  # noqa: E402
+from gpu_hlo_helpers import run_gpu_hlo_script  # noqa: E402
 
-PLUGIN = os.environ.get("TBJAX_CUDA12_PLUGIN_DIR", "/tmp/cuda12plugin")
-HAVE_PLUGIN = os.path.isdir(os.path.join(PLUGIN, "jax_plugins", "xla_cuda12"))
 N_LAYERS = 4
 
 # ---- the analysis on handcrafted unrolled programs -----------------------------------------------------------------
@@ -166,16 +163,8 @@ VARIANTS = "all_gather:gather,ppermute:gather,replicated:gather,all_gather:all_t
 
 @pytest.fixture(scope="module")
 def gpu_results():
-    if not HAVE_PLUGIN:
-        pytest.skip(f"jax-cuda12-plugin not found in {PLUGIN} (set TBJAX_CUDA12_PLUGIN_DIR; install with "
-                    "pip install --no-deps --target /tmp/cuda12plugin jax-cuda12-plugin==0.11.2 "
-                    "jax-cuda12-pjrt==0.11.2)")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_hlo_overlap.py"), "--variants",
-                          VARIANTS, "--layers", str(N_LAYERS)], capture_output=True, text=True, env=env, timeout=1200)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {r["variant"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    results = run_gpu_hlo_script("gpu_hlo_overlap.py", "--variants", VARIANTS, "--layers", str(N_LAYERS), timeout=1200)
+    return {r["variant"]: r for r in results}
 
 
 def _interior(r):

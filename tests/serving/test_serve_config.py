@@ -76,7 +76,8 @@ def test_engine_settings_reach_engine_config_fields():
     a = build_parser().parse_args(["--max-num-seqs", "3", "--max-num-batched-tokens", "32", "--num-pages", "9",
                                    "--page-size", "8", "--max-model-len", "256", "--kv-dtype", "fp8",
                                    "--layer-buffers", "split", "--no-overlap-scheduling", "--mesh", "dp=2",
-                                   "--attn-gather", "ppermute", "--speculative", "draft=self,num_tokens=3"])
+                                   "--attn-gather", "ppermute", "--speculative", "draft=self,num_tokens=3",
+                                   "--deterministic"])
     kw = a.engine_kwargs()
     weight = kw.pop("weight_dtype", None)
     assert weight is None
@@ -85,6 +86,7 @@ def test_engine_settings_reach_engine_config_fields():
         (3, 32, 9, 8, 256)
     assert cfg.kv_dtype == "fp8" and cfg.layer_buffers == "split" and cfg.overlap_scheduling is False
     assert cfg.mesh == "dp=2" and cfg.decode_layout.attn_gather == "ppermute" and cfg.speculative.num_tokens == 3
+    assert cfg.deterministic is True
     assert build_parser().parse_args([]).engine_kwargs() == {}            # nothing given: the engine decides
     assert "speculative" not in build_parser().parse_args(["--role", "prefill", "--speculative", "draft=self"]) \
         .engine_kwargs()                                                  # a prefill worker never decodes

@@ -447,7 +447,9 @@ class HTTPFrontend:
         tls = {}
         if self.server.tls_cert is not None:     # --tls-cert / --tls-key: HTTPS with the gRPC port's certificate
             tls = dict(ssl_certfile=self.server.tls_cert, ssl_keyfile=self.server.tls_key)
-        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
+        # log_config=None: uvicorn's loggers propagate to the process's own logging setup instead of uvicorn
+        # re-running logging.config.dictConfig (which shuts down every handler already installed) on each start
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False, log_config=None,
                                 timeout_graceful_shutdown=1, timeout_keep_alive=30, interface="asgi3", **tls)
         config.load()
         srv = uvicorn.Server(config)

@@ -131,7 +131,7 @@ async def _http_one(client: httpx.AsyncClient, rng: random.Random, i: int) -> st
     raise AssertionError(f"http request {i}: stream ended without [DONE]")
 
 
-def test_soak_thousands_mixed_requests(caplog, capsys):
+def test_soak_thousands_mixed_requests(caplog):
     caplog.set_level(logging.WARNING)
     model = fake_served_model(step_time_s=0.001, num_pages=800, page_size=4, max_num_seqs=48,
                               max_num_batched_tokens=256)
@@ -189,10 +189,9 @@ def test_soak_thousands_mixed_requests(caplog, capsys):
     # a few per thousand cancels under load, outside the handler's reach. Counted, bounded, and nothing else allowed.
     races = [e for e in errors if "ExecuteBatchError raised in core" in e]
     errors = [e for e in errors if e not in races]
-    with capsys.disabled():
-        print(f"\nsoak: {N_REQUESTS} requests in {wall:.1f} s ({N_REQUESTS / wall:.0f}/s), {CLIENTS} clients, "
-              f"RSS {rss0:.0f} -> {rss1:.0f} MB, outcomes {dict(sorted(outcomes.items()))}, "
-              f"{len(errors)} ERROR lines, {len(races)} grpc cancel races")
+    print(f"\nsoak: {N_REQUESTS} requests in {wall:.1f} s ({N_REQUESTS / wall:.0f}/s), {CLIENTS} clients, "
+          f"RSS {rss0:.0f} -> {rss1:.0f} MB, outcomes {dict(sorted(outcomes.items()))}, "
+          f"{len(errors)} ERROR lines, {len(races)} grpc cancel races")
     assert not errors, errors[:5]
     assert len(races) <= max(2, (outcomes["cancelled"] + outcomes["deadline"]) // 100), races[:3]
     assert rss1 - rss0 < RSS_GROWTH_BOUND_MB, (rss0, rss1)

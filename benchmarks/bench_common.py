@@ -105,3 +105,60 @@ def forward_argv(ap: argparse.ArgumentParser, args: argparse.Namespace, skip=())
         elif v is not None:
             out += [a.option_strings[0], str(v)]
     return out
+
+
+def add_options(ap: argparse.ArgumentParser, options: dict, type=None) -> None:
+    """``ap.add_argument(name, type=type, default=default)`` for each name -> default of `options`, in order."""
+    for name, default in options.items():
+        ap.add_argument(name, type=type, default=default)
+
+
+def json_saver(out, name: str, result: dict):
+    """A ``save()`` that writes `result` to `out` (when given) and to ``$OUT/<name>`` (when ``$OUT`` is set)."""
+    paths = [out] if out else []
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], name))
+
+    def save():
+        for p in paths:
+            write_json(p, result)
+    return save
+
+
+def torch_copy_script(iters: int, *, prefix: str = "", fill_random: bool = False) -> str:
+    """Python source for a subprocess: the median of `iters` CUDA-event-timed torch copies of a 2 GiB uint8 buffer
+    (`fill_random`: filled with random bytes first), printed as one JSON line after `prefix`."""
+    fill = "x.random_(0, 255)\n" if fill_random else ""
+    return (
+        "\nimport json, torch\n"
+        "x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=\"cuda\"); y = torch.empty_like(x)\n"
+        f"{fill}"
+        "for _ in range(3): y.copy_(x)\n"
+        "torch.cuda.synchronize()\n"
+        "a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+        "ts = []\n"
+        f"for _ in range({iters}):\n"
+        "    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))\n"
+        "ts.sort(); ms = ts[len(ts) // 2]\n"
+        f"print({prefix!r} + json.dumps({{\"torch_copy_TBps\": 2 * x.numel() / (ms * 1e-3) / 1e12, "
+        "\"bytes\": x.numel(), \"ms\": ms}))\n")
+
+
+def cuda_copy_seconds(dst, src, *, warmup: int, reps: int, inner: int) -> list:
+    """Seconds per ``dst.copy_(src)`` (torch CUDA tensors): `warmup` untimed copies, then `reps` CUDA-event timings
+    of `inner` back-to-back copies each."""
+    import torch
+
+    for _ in range(warmup):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(inner):
+            dst.copy_(src)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3 / inner)
+    return ts

@@ -46,7 +46,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import write_json  # noqa: E402
+from bench_common import cuda_copy_seconds, write_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -76,19 +76,7 @@ def torch_copy_ceiling(nbytes=4 << 30):
             return None
         a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
         b = torch.empty_like(a)
-        for _ in range(3):
-            b.copy_(a)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(5):
-                b.copy_(a)
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1e3 / 5)
-        t = statistics.median(ts)
+        t = statistics.median(cuda_copy_seconds(b, a, warmup=3, reps=5, inner=5))
         del a, b
         torch.cuda.empty_cache()
         return {"what": "torch D2D copy, read+write bytes", "bytes": 2 * nbytes, "s": t, "TBps": 2 * nbytes / t / 1e12}
@@ -243,6 +231,23 @@ def main():
             return float("nan")
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
+    def timed_stacks(rows, jobs, w, s, bytes_per_layer, L, ceil_tb=None):
+        """Compile `jobs` (one per (row, x) of `rows`), time each over (x, w, s) and check its last layer against the
+        reference: yields each row with TBps (and frac_ceiling of `ceil_tb`) and relerr_vs_reference, or error."""
+        for (row, x), ck in zip(rows, precompile(jobs)):
+            try:
+                if isinstance(ck, Exception):
+                    raise ck
+                t, y = timeit(ck, x, w, s)
+                row["TBps"] = bytes_per_layer * L / t / 1e12
+                if ceil_tb is not None:
+                    row["frac_ceiling"] = row["TBps"] / ceil_tb
+                r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
+                row["relerr_vs_reference"] = relerr(y[L - 1], r)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:500]
+            yield row
+
     def over_budget(what):
         if time.perf_counter() - T0 > args.budget_s:
             RESULTS["errors"].append(f"time budget reached: skipped {what}")
@@ -316,18 +321,7 @@ def main():
                     row["plan"] = [plan.stages, plan.n_ctas, plan.n_per, plan.n_slots]
                     rows.append((row, x))
                     jobs.append((kernel_stack_fn(L, c), (x, w, s)))
-            comp = precompile(jobs)
-            for (row, x), ck in zip(rows, comp):
-                try:
-                    if isinstance(ck, Exception):
-                        raise ck
-                    t, y = timeit(ck, x, w, s)
-                    row["TBps"] = d * f * (1 if fp8 else 2) * L / t / 1e12
-                    row["frac_ceiling"] = row["TBps"] / ceil_tb
-                    r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
-                    row["relerr_vs_reference"] = relerr(y[L - 1], r)
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = repr(e)[:500]
+            for row in timed_stacks(rows, jobs, w, s, d * f * (1 if fp8 else 2), L, ceil_tb):
                 RESULTS["variants"].append(row)
                 log(json.dumps({k: v for k, v in row.items() if k != "cfg"}))
                 save(args.out)
@@ -721,17 +715,7 @@ def main():
                         row["plan"] = [c.tile_d, c.tile_f, plan.stages, plan.n_ctas, plan.n_per, plan.n_slots]
                         rows.append((row, x))
                         jobs.append((kernel_stack_fn(L, cfg), (x, w, s)))
-                comp = precompile(jobs)
-                for (row, x), ck in zip(rows, comp):
-                    try:
-                        if isinstance(ck, Exception):
-                            raise ck
-                        t, y = timeit(ck, x, w, s)
-                        row["TBps"] = bytes_layer * L / t / 1e12
-                        r = reference.decode_matmul_reference(x, w[L - 1], w_scale=None if s is None else s[L - 1])
-                        row["relerr_vs_reference"] = relerr(y[L - 1], r)
-                    except Exception as e:  # noqa: BLE001
-                        row["error"] = repr(e)[:500]
+                for row in timed_stacks(rows, jobs, w, s, bytes_layer, L):
                     RESULTS["tune"].append(row)
                     log(json.dumps(row))
                     save(args.out)

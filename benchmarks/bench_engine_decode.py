@@ -41,26 +41,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import forward_argv, git_commit, run_json_worker, write_json  # noqa: E402
+from bench_common import forward_argv, git_commit, json_saver, run_json_worker, torch_copy_script  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG_DIR = os.path.join(HERE, "configs")
 MARK = "ENGRESULT "
 
-TORCH_COPY = r"""
-import json, torch
-x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-x.random_(0, 255)
-for _ in range(3): y.copy_(x)
-torch.cuda.synchronize()
-a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-ts = []
-for _ in range(20):
-    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-ts.sort(); ms = ts[len(ts) // 2]
-print("ENGRESULT " + json.dumps({"torch_copy_TBps": 2 * x.numel() / (ms * 1e-3) / 1e12, "bytes": x.numel(), "ms": ms}))
-"""
+TORCH_COPY = torch_copy_script(20, prefix=MARK, fill_random=True)
 
 
 def _parse_shapes(s: str) -> list[tuple[int, int]]:
@@ -745,13 +733,7 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": args.steps, "warmup": args.warmup,
            "layers": args.layers or "config", "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "layer_buffers": args.layer_buffers, "fold_norms": args.fold_norms, "command_buffers": args.command_buffers}
-    outs = [args.out] if args.out else []
-    if os.environ.get("OUT"):
-        outs.append(os.path.join(os.environ["OUT"], "bench_engine_decode.json"))
-
-    def save():
-        for p in outs:
-            write_json(p, res)
+    save = json_saver(args.out, "bench_engine_decode.json", res)
 
     try:
         import importlib.util

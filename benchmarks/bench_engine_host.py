@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import write_json  # noqa: E402
+from bench_common import add_options, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -85,9 +85,7 @@ def measure(batch: int, prompt: int, steps: int, device_ms: float, overlap: bool
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=100)
-    ap.add_argument("--steps", type=int, default=300)
+    add_options(ap, {"--batch": 32, "--prompt": 100, "--steps": 300}, int)
     ap.add_argument("--device-ms", default="0,6", help="comma list of simulated device times per step (ms)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -32,7 +32,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit, write_json  # noqa: E402
+from bench_common import add_options, git_commit, json_saver  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -211,13 +211,9 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=["engine"], default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sections", default="engine,serve,load")
-    ap.add_argument("--config", default="llama-3.1-8b")
-    ap.add_argument("--layers", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--num-pages", type=int, default=8192)
+    add_options(ap, {"--sections": "engine,serve,load", "--config": "llama-3.1-8b"})
+    add_options(ap, {"--layers": 0, "--max-num-seqs": 32, "--max-num-batched-tokens": 512, "--max-model-len": 4096,
+                     "--num-pages": 8192}, int)
     ap.add_argument("--layer-buffers", default="", help=argparse.SUPPRESS)
     ap.add_argument("--engine-variants", default="",
                     help="comma-separated EngineConfig.layer_buffers values for the engine section ('' = default)")
@@ -225,14 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-model", default="synthetic",
                     help="model of the serve section: synthetic (SmolLM2 shapes, random weights), default, or a path")
     ap.add_argument("--serve-args", default="", help="extra arguments for python -m tbjax.serve")
-    ap.add_argument("--load-n", type=int, default=256)
-    ap.add_argument("--load-c", type=int, default=64)
-    ap.add_argument("--load-prompt", default="uniform:8:512")
-    ap.add_argument("--load-output", default="uniform:16:128")
+    add_options(ap, {"--load-n": 256, "--load-c": 64}, int)
+    add_options(ap, {"--load-prompt": "uniform:8:512", "--load-output": "uniform:16:128"})
     ap.add_argument("--load-passes", type=int, default=2)
-    ap.add_argument("--t-engine", type=float, default=240)
-    ap.add_argument("--t-serve", type=float, default=180)
-    ap.add_argument("--t-load", type=float, default=120)
+    add_options(ap, {"--t-engine": 240, "--t-serve": 180, "--t-load": 120}, float)
     ap.add_argument("--smoke", action="store_true", help="CPU: SmolLM2 shapes, 2 layers, a small load")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -246,13 +238,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, REPO)
     res = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "results": []}
-    outs = [args.out] if args.out else []
-    if os.environ.get("OUT"):
-        outs.append(os.path.join(os.environ["OUT"], "bench_ready.json"))
-
-    def save():
-        for p in outs:
-            write_json(p, res)
+    save = json_saver(args.out, "bench_ready.json", res)
 
     sections = args.sections.split(",")
     if "engine" in sections:

@@ -21,7 +21,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import write_json  # noqa: E402
+from bench_common import cuda_copy_seconds, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -69,18 +69,7 @@ def torch_copy_GBps(nbytes):
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    best = None
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        t = a.elapsed_time(b) / 1e3 / 10
-        best = t if best is None else min(best, t)
+    best = min(cuda_copy_seconds(dst, src, warmup=1, reps=3, inner=10))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / best / 1e9   # read + write

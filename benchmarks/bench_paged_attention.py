@@ -37,22 +37,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import write_json  # noqa: E402
+from bench_common import torch_copy_script, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-TORCH_COPY = r"""
-import json, torch
-x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-torch.cuda.synchronize()
-a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-ts = []
-for _ in range(10):
-    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-ts.sort(); ms = ts[len(ts) // 2]
-print(json.dumps({"torch_copy_TBps": 2 * x.numel() / (ms * 1e-3) / 1e12, "bytes": x.numel(), "ms": ms}))
-"""
+TORCH_COPY = torch_copy_script(10)
 
 
 def torch_copy_ceiling():
@@ -173,6 +162,29 @@ def main():
 
   def done(name):
     res["sections_done"].append(name)
+    save()
+
+  def vs_reference(row, S, L, fr, f, a, more=None):
+    """Where S * L is at most 256K and the kernel timed: row's ref_ms, speedup_vs_ref and max_err_vs_ref of
+    reference `fr` against kernel `f` on arguments `a`, then ``more(ref_out)`` (the reference output, float32);
+    a failure is row's ref_error."""
+    if not (S * L <= 256 * 1024 and "ms" in row):
+      return
+    try:
+      row["ref_ms"] = timeit(fr, *a, iters=3)
+      row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
+      ref_out = f32(fr(*a))
+      row["max_err_vs_ref"] = float(np.max(np.abs(f32(f(*a)) - ref_out)))
+      if more is not None:
+        more(ref_out)
+    except Exception as e:  # noqa: BLE001
+      row["ref_error"] = repr(e)[:300]
+
+  def add_row(name, row, rounded=False):
+    """Append `row` to ``res[name]``, print it (floats to 4 places when `rounded`) and save."""
+    res.setdefault(name, []).append(row)
+    print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} if rounded else row,
+          flush=True)
     save()
 
   f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
@@ -310,6 +322,16 @@ def main():
     q = jnp.asarray(rng.standard_normal((S, K * g, H)), jnp.bfloat16)
     return q, bt, lens
 
+  def decode_grid():
+    """(S, L, g, q, bt, lens) for each g of groups, L of contexts and S of batches; past the time limit, the rest of
+    that row of batches is skipped."""
+    for g in groups:
+      for L in contexts:
+        for S in batches:
+          if over_time():
+            break
+          yield (S, L, g) + decode_inputs(S, L, g)
+
   def kv_bytes(S, L, itemsize):
     return S * L * K * 2 * H * itemsize
 
@@ -338,7 +360,6 @@ def main():
     return q8.astype(jnp.float32) * s_q[..., None]
 
   if section("fp8var"):
-    rows = []
     kv, kv8 = get_pool(), get_pool8()
     sc = jnp.full((P_total, 2 * K), 0.02, jnp.float32)
     if args.profile == "r3":
@@ -431,17 +452,13 @@ def main():
           best = (row["fp8_ms"], kw)
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
-      rows.append(row)
-      print("  ", row, flush=True)
-      res["fp8var"] = rows
-      save()
+      add_row("fp8var", row)
     if best is not None:
       fp8_best.update(best[1])
       res["fp8_best"] = dict(best[1])
     done("fp8var")
 
   if section("small"):
-    rows = []
     kv = get_pool()
     configs = [(8, 1024, 4), (32, 1024, 4), (64, 1024, 4), (1, 8192, 4)] if not smoke else [(2, 256, 4)]
     variants = [dict(), dict(split_policy="waves"), dict(block_kv=64, stages=2, split_policy="waves"),
@@ -461,47 +478,28 @@ def main():
             row["pct_ceiling"] = 100 * row["TBps"] / ceiling
         except Exception as e:  # noqa: BLE001
           row["error"] = repr(e)[:300]
-        rows.append(row)
-        print("  ", row, flush=True)
-        res["small"] = rows
-        save()
+        add_row("small", row)
     done("small")
 
   if section("decode"):
-    rows = []
     kv = get_pool()
-    for g in groups:
-      for L in contexts:
-        for S in batches:
-          if over_time():
-            break
-          q, bt, lens = decode_inputs(S, L, g)
-          f = jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp))
-          row = {"S": S, "L": L, "g": g}
-          try:
-            row["ms"] = timeit(f, q, kv, bt, lens)
-            row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
-            if ceiling:
-              row["pct_ceiling"] = 100 * row["TBps"] / ceiling
-          except Exception as e:  # noqa: BLE001
-            row["error"] = repr(e)[:300]
-          if S * L <= 256 * 1024 and "ms" in row:
-            fr = jax.jit(lambda q, kv, bt, lens: reference.paged_decode_attention_reference(q, kv, bt, lens))
-            try:
-              row["ref_ms"] = timeit(fr, q, kv, bt, lens, iters=3)
-              row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
-              row["max_err_vs_ref"] = float(np.max(np.abs(f32(f(q, kv, bt, lens)) - f32(fr(q, kv, bt, lens)))))
-            except Exception as e:  # noqa: BLE001
-              row["ref_error"] = repr(e)[:300]
-          rows.append(row)
-          print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-          res["decode"] = rows
-          save()
+    for S, L, g, q, bt, lens in decode_grid():
+      f = jax.jit(lambda q, kv, bt, lens: gpu.paged_decode_attention_gpu(q, kv, bt, lens, interpret=impl_interp))
+      row = {"S": S, "L": L, "g": g}
+      try:
+        row["ms"] = timeit(f, q, kv, bt, lens)
+        row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
+        if ceiling:
+          row["pct_ceiling"] = 100 * row["TBps"] / ceiling
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+      fr = jax.jit(lambda q, kv, bt, lens: reference.paged_decode_attention_reference(q, kv, bt, lens))
+      vs_reference(row, S, L, fr, f, (q, kv, bt, lens))
+      add_row("decode", row, rounded=True)
     done("decode")
 
   # ---------------------------------------------------------------- fp8
   if section("fp8"):
-    rows = []
     kv_bf16 = get_pool()
     sc = jnp.full((P_total, 2 * K), 0.01, jnp.float32)
     cases = [(min(8, batches[-1]), contexts[1], groups[-1]), (batches[-1], contexts[-1], groups[-1]),
@@ -532,16 +530,12 @@ def main():
               row["fp8_over_bf16"] = row["fp8_ms"] / bf16_ms
           except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:300]
-          rows.append(row)
-          print("  ", row, flush=True)
-          res["fp8"] = rows
-          save()
+          add_row("fp8", row)
       del kv8
     done("fp8")
 
   # ---------------------------------------------------------------- sparse
   if section("sparse"):
-    rows = []
     kv = get_pool()
     L = contexts[-1]
     npages = L // G
@@ -566,15 +560,11 @@ def main():
         row["sparse_over_dense"] = row["sparse_ms"] / row["dense_ms"]
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
-      rows.append(row)
-      print("  ", row, flush=True)
-      res["sparse"] = rows
-      save()
+      add_row("sparse", row)
     done("sparse")
 
   # ---------------------------------------------------------------- Triton (deprecated JAX op)
   if section("triton") and not smoke:
-    rows = []
     try:
       import warnings
       with warnings.catch_warnings():
@@ -604,10 +594,7 @@ def main():
                                                           f32(ft(q, k_pages, v_pages, bt, lens)))))
         except Exception as e:  # noqa: BLE001
           row["error"] = repr(e)[:300]
-        rows.append(row)
-        print("  ", row, flush=True)
-        res["triton"] = rows
-        save()
+        add_row("triton", row)
       del k_pages, v_pages
     except Exception as e:  # noqa: BLE001
       res["triton_error"] = repr(e)[:500]
@@ -615,7 +602,6 @@ def main():
 
   # ---------------------------------------------------------------- tuning
   if section("tuning"):
-    rows = []
     kv = get_pool()
     variants = [(64, 3), (64, 4), (64, 6), (128, 2), (128, 3)] if not smoke else [(64, 2)]
     probes = [(32 if not smoke else 2, contexts[1], 4), (1, contexts[-1], 8)]
@@ -633,15 +619,11 @@ def main():
             row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
           except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
-          rows.append(row)
-          print("  ", row, flush=True)
-          res["tuning"] = rows
-          save()
+          add_row("tuning", row)
     done("tuning")
 
   # ---------------------------------------------------------------- prefill
   if section("prefill"):
-    rows = []
     for S, ql, g in ((4, 2048 if not smoke else 64, 4), (1, 8192 if not smoke else 64, 8)):
       if over_time():
         break
@@ -666,10 +648,7 @@ def main():
                                                       f32(fr(qT, kvp, bt, lens, cu)))))
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
-      rows.append(row)
-      print("  ", row, flush=True)
-      res["prefill"] = rows
-      save()
+      add_row("prefill", row)
     # Mixed batch: a few prefill chunks next to many decode rows (what a continuous-batching step looks like).
     if not over_time():
       n_pre, n_dec = (4, 60) if not smoke else (1, 3)
@@ -695,15 +674,11 @@ def main():
         row["max_err_vs_ref"] = float(np.max(np.abs(f32(fk(qT, kvp, bt, lens, cu)) - f32(fr(qT, kvp, bt, lens, cu)))))
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
-      rows.append(row)
-      print("  ", row, flush=True)
-      res["prefill"] = rows
-      save()
+      add_row("prefill", row)
     done("prefill")
 
   # ---------------------------------------------------------------- grid: bf16 and fp8 over batch x context
   if section("grid"):
-    rows = []
     if args.grid_groups:
       groups = tuple(int(x) for x in args.grid_groups.split(","))
     kv, kv8 = get_pool(), get_pool8()
@@ -715,54 +690,40 @@ def main():
     fr = jax.jit(lambda q, kv, bt, lens: reference.paged_decode_attention_reference(q, kv, bt, lens))
     fr8 = jax.jit(lambda q, kv, bt, lens, sc: reference.paged_decode_attention_reference(q, kv, bt, lens,
                                                                                          kv_scales_PK=sc))
-    for g in groups:
-      for L in contexts:
-        for S in batches:
-          if over_time():
-            break
-          q, bt, lens = decode_inputs(S, L, g)
-          row = {"S": S, "L": L, "g": g, "fp8_variant": dict(fp8_best)}
-          try:
-            row["ms"] = timeit(fb, q, kv, bt, lens)
-            row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
-            if ceiling:
-              row["pct_ceiling"] = 100 * row["TBps"] / ceiling
-            if fc is not None:
-              row["cand"] = cand
-              row["cand_ms"] = timeit(fc, q, kv, bt, lens)
-              row["cand_TBps"] = kv_bytes(S, L, 2) / (row["cand_ms"] * 1e-3) / 1e12
-              if ceiling:
-                row["cand_pct_ceiling"] = 100 * row["cand_TBps"] / ceiling
-            row["fp8_ms"] = timeit(f8, q, kv8, bt, lens, sc)
-            row["fp8_over_bf16"] = row["fp8_ms"] / row["ms"]
-            row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
-          except Exception as e:  # noqa: BLE001
-            row["error"] = repr(e)[:300]
-          if S * L <= 256 * 1024 and "ms" in row:
-            try:
-              row["ref_ms"] = timeit(fr, q, kv, bt, lens, iters=3)
-              row["speedup_vs_ref"] = row["ref_ms"] / row["ms"]
-              ref_out = f32(fr(q, kv, bt, lens))
-              row["max_err_vs_ref"] = float(np.max(np.abs(f32(fb(q, kv, bt, lens)) - ref_out)))
-              if fc is not None:
-                row["cand_max_err_vs_ref"] = float(np.max(np.abs(f32(fc(q, kv, bt, lens)) - ref_out)))
-              if "fp8_ms" in row:
-                out8 = f32(f8(q, kv8, bt, lens, sc))
-                row["fp8_max_err_vs_ref"] = float(np.max(np.abs(out8 - f32(fr8(q, kv8, bt, lens, sc)))))
-                if fp8_best.get("fp8_qk", tuning.current().fp8_qk):
-                  row["fp8_max_err_vs_ref_q8"] = float(np.max(np.abs(out8 - f32(fr8(dequantized_q(q), kv8, bt, lens,
-                                                                                    sc)))))
-            except Exception as e:  # noqa: BLE001
-              row["ref_error"] = repr(e)[:300]
-          rows.append(row)
-          print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-          res["grid"] = rows
-          save()
+    for S, L, g, q, bt, lens in decode_grid():
+      row = {"S": S, "L": L, "g": g, "fp8_variant": dict(fp8_best)}
+      try:
+        row["ms"] = timeit(fb, q, kv, bt, lens)
+        row["TBps"] = kv_bytes(S, L, 2) / (row["ms"] * 1e-3) / 1e12
+        if ceiling:
+          row["pct_ceiling"] = 100 * row["TBps"] / ceiling
+        if fc is not None:
+          row["cand"] = cand
+          row["cand_ms"] = timeit(fc, q, kv, bt, lens)
+          row["cand_TBps"] = kv_bytes(S, L, 2) / (row["cand_ms"] * 1e-3) / 1e12
+          if ceiling:
+            row["cand_pct_ceiling"] = 100 * row["cand_TBps"] / ceiling
+        row["fp8_ms"] = timeit(f8, q, kv8, bt, lens, sc)
+        row["fp8_over_bf16"] = row["fp8_ms"] / row["ms"]
+        row["fp8_TBps"] = kv_bytes(S, L, 1) / (row["fp8_ms"] * 1e-3) / 1e12
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+
+      def more_errors(ref_out):
+        if fc is not None:
+          row["cand_max_err_vs_ref"] = float(np.max(np.abs(f32(fc(q, kv, bt, lens)) - ref_out)))
+        if "fp8_ms" in row:
+          out8 = f32(f8(q, kv8, bt, lens, sc))
+          row["fp8_max_err_vs_ref"] = float(np.max(np.abs(out8 - f32(fr8(q, kv8, bt, lens, sc)))))
+          if fp8_best.get("fp8_qk", tuning.current().fp8_qk):
+            row["fp8_max_err_vs_ref_q8"] = float(np.max(np.abs(out8 - f32(fr8(dequantized_q(q), kv8, bt, lens,
+                                                                              sc)))))
+      vs_reference(row, S, L, fr, fb, (q, kv, bt, lens), more_errors)
+      add_row("grid", row, rounded=True)
     done("grid")
 
   # ---------------------------------------------------------------- wide: the cost of padded tables / slots
   if section("wide"):
-    rows = []
     Nw = args.wide_pages or (64 if smoke else 8192)
     M = args.wide_slots if not smoke else 3
     if smoke:
@@ -836,10 +797,7 @@ def main():
             row["pad_rows_zero"] = bool(np.all(f32(f(*args_))[S:] == 0))
           except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:300]
-          rows.append(row)
-          print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-          res["wide"] = rows
-          save()
+          add_row("wide", row, rounded=True)
 
     # The ragged kernel's share of an engine step (step_attention sends single-row sequences to decode and shows
     # the ragged kernel those sequences at kv_len 0).
@@ -874,10 +832,7 @@ def main():
           row["over_tight"] = row["ms"] / tight_ms
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
-      rows.append(row)
-      print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-      res["wide"] = rows
-      save()
+      add_row("wide", row, rounded=True)
     done("wide")
 
   res["elapsed_s"] = time.time() - t_start

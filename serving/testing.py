@@ -8,6 +8,8 @@
 - ``BAD_REQUESTS``: the bad inputs the server must refuse, each with the status code it must get.
 - ``raw_generate(channel, payload)``: send raw bytes as a GenerateRequest (for invalid UTF-8 and the like).
 - ``stalling_sender``: a prefill worker's KV sender factory whose transfers of chosen requests hang mid-way.
+- ``generate_stream_outcome(call, ids, max_tokens, ...)``: read a Generate stream against the fake engine's
+  reference output and name how it ended (completed, cancelled, deadline, or a chosen RPC status).
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from .api import method_path, pb
+from .fake_engine import reference
 from .kv_transfer import KVSender
 
 __all__ = ["kv_pages_all_free", "wait_kv_pages_all_free", "metric_series", "run_in_threads", "BadRequest",
-           "BAD_REQUESTS", "raw_generate", "encode_field", "StallingSender", "stalling_sender"]
+           "BAD_REQUESTS", "raw_generate", "encode_field", "StallingSender", "stalling_sender",
+           "generate_stream_outcome"]
 
 
 def kv_pages_all_free(engine) -> dict:
@@ -35,11 +39,7 @@ def kv_pages_all_free(engine) -> dict:
     s.check()
     assert not s.has_unfinished(), f"requests still in the engine: {s.stats()['num_running']} running, " \
                                    f"{s.stats()['num_waiting']} waiting"
-    out = []
-    for r in s.ranks:
-        if r.cache is not None:
-            r.cache.clear()
-        out.append((r.allocator.num_free, r.allocator.num_usable))
+    out = s.clear_prefix_caches()
     return {"ranks": out, "all_free": all(f == u for f, u in out)}
 
 
@@ -192,3 +192,36 @@ def stalling_sender(request_id: str, channel, **kwargs) -> KVSender:
     if prefix and request_id.startswith(prefix):
         return StallingSender(channel, **kwargs)
     return KVSender(channel, **kwargs)
+
+
+async def generate_stream_outcome(call, ids, max_tokens: int, *, timeout: float, cancel_after: int | None = None,
+                                  label: object = None, on_response=None, status_outcomes: dict | None = None):
+    """Read the Generate stream ``call`` (sent with prompt ``ids``, ``max_tokens`` and a ``timeout``) and return
+    ``(outcome, last_response)``. ``"completed"``: the finish reason came, and the tokens and finish reason were
+    asserted equal to ``reference(ids, max_tokens)``; ``"cancelled"``: ``cancel_after`` responses came and the call
+    was cancelled (or the RPC ended CANCELLED with ``cancel_after`` set); ``"deadline"``: DEADLINE_EXCEEDED with a
+    short (< 1 s) timeout. ``await on_response()`` runs after each response (a slow reader); an RPC error whose code
+    is a key of ``status_outcomes`` returns that value; any other error is raised. ``label`` tags the assertions."""
+    got, n, r = [], 0, None
+    try:
+        async for r in call:
+            got.extend(r.token_ids)
+            n += 1
+            if on_response is not None:
+                await on_response()
+            if r.finish_reason:
+                want, reason = reference(ids, max_tokens)
+                assert got == want and {1: "stop", 2: "length"}[r.finish_reason] == reason, label
+                return "completed", r
+            if cancel_after is not None and n >= cancel_after:
+                call.cancel()
+                return "cancelled", r
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout < 1:
+            return "deadline", r
+        if e.code() == grpc.StatusCode.CANCELLED and cancel_after is not None:
+            return "cancelled", r
+        if status_outcomes and e.code() in status_outcomes:
+            return status_outcomes[e.code()], r
+        raise
+    raise AssertionError(f"request {label}: stream ended without a finish reason")

@@ -424,6 +424,17 @@ class Scheduler:
             "ranks": [r.stats() for r in self.ranks],
         }
 
+    def clear_prefix_caches(self) -> list[tuple[int, int]]:
+        """Between steps: verify the page bookkeeping (``check``), drop every rank's unlocked prefix-cache pages, and
+        return each rank's (free, usable) page counts."""
+        self.check()
+        out = []
+        for r in self.ranks:
+            if r.cache is not None:
+                r.cache.clear()
+            out.append((r.allocator.num_free, r.allocator.num_usable))
+        return out
+
     def check(self) -> None:
         """Verify all page bookkeeping between steps; raises AssertionError (used by tests)."""
         assert len(self._running) <= self.config.max_num_seqs

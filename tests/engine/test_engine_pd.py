@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine_helpers import byte_tokenizer, reference_greedy, tiny_model
+from engine_helpers import byte_tokenizer
 from tbjax.engine import Engine, EngineConfig
 from tbjax.engine.engine import KVReservationError
 from tbjax.sampling import SamplingParams
@@ -18,17 +18,6 @@ from tbjax.sampling import SamplingParams
 RNG = np.random.default_rng(11)
 PROMPTS = [[int(t) for t in RNG.integers(0, 256, n)] for n in (1, 4, 9, 23, 40)]
 N_OUT = 8
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def expected(model):
-    spec, params = model
-    return [reference_greedy(spec, params, p, N_OUT) for p in PROMPTS]
 
 
 def _engine(model, device=None, **kw):
@@ -53,12 +42,8 @@ def _drain(engine, outs=None):
 
 
 def _all_free(engine):
-    s = engine.scheduler
-    s.check()
-    for r in s.ranks:
-        if r.cache is not None:
-            r.cache.clear()
-        assert r.allocator.num_free == r.allocator.num_usable, (r.allocator.num_free, r.allocator.num_usable)
+    for free, usable in engine.scheduler.clear_prefix_caches():
+        assert free == usable, (free, usable)
 
 
 def _disaggregated(pre, dec, prompts, params, stacked=False):

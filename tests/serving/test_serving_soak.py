@@ -12,7 +12,7 @@ from serving.client import Client
 from serving.fake_engine import fake_served_model, reference
 from serving.limits import Limits
 from serving.server import ServerThread
-from serving.testing import kv_pages_all_free
+from serving.testing import generate_stream_outcome, kv_pages_all_free
 
 N_REQUESTS = 300
 
@@ -30,27 +30,13 @@ async def _one(stub, rng: random.Random, i: int) -> str:
     if cancel_after == 0:
         call.cancel()
         return "cancelled"
-    got, n = [], 0
-    try:
-        async for r in call:
-            got.extend(r.token_ids)
-            n += 1
-            if r.finish_reason:
-                want, reason = reference(ids, max_tokens)
-                assert r.request_id == f"soak-{i}"
-                assert got == want and {1: "stop", 2: "length"}[r.finish_reason] == reason, i
-                assert r.usage.completion_tokens == len(want) and r.usage.prompt_tokens == len(ids)
-                return "completed"
-            if cancel_after is not None and n >= cancel_after:
-                call.cancel()
-                return "cancelled"
-    except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout < 1:
-            return "deadline"
-        if e.code() == grpc.StatusCode.CANCELLED and cancel_after is not None:
-            return "cancelled"
-        raise
-    raise AssertionError(f"request {i}: stream ended without a finish reason")
+    outcome, r = await generate_stream_outcome(call, ids, max_tokens, timeout=timeout, cancel_after=cancel_after,
+                                               label=i)
+    if outcome == "completed":
+        want, _ = reference(ids, max_tokens)
+        assert r.request_id == f"soak-{i}"
+        assert r.usage.completion_tokens == len(want) and r.usage.prompt_tokens == len(ids)
+    return outcome
 
 
 def test_soak_concurrent_with_random_cancellations():

@@ -19,7 +19,7 @@ from serving.client import Client
 from serving.fake_engine import FakeTokenizer, fake_served_model, reference
 from serving.limits import Limits
 from serving.server import ServerThread
-from serving.testing import BAD_REQUESTS, kv_pages_all_free
+from serving.testing import BAD_REQUESTS, generate_stream_outcome, kv_pages_all_free
 
 N_REQUESTS = 2000
 CLIENTS = 128                 # concurrent clients: more than running + waiting slots (16 + 8), so some overload
@@ -66,29 +66,11 @@ async def _grpc_one(stub, raw_stub, info, rng: random.Random, i: int) -> str:
         await asyncio.sleep(rng.random() * 0.01)
         call.cancel()
         return "cancelled"
-    got, n = [], 0
-    try:
-        async for r in call:
-            got.extend(r.token_ids)
-            n += 1
-            if slow:
-                await asyncio.sleep(0.005 + rng.random() * 0.02)
-            if r.finish_reason:
-                want, reason = reference(ids, max_tokens)
-                assert got == want and {1: "stop", 2: "length"}[r.finish_reason] == reason, i
-                return "completed"
-            if cancel_after is not None and n >= cancel_after:
-                call.cancel()
-                return "cancelled"
-    except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout < 1:
-            return "deadline"
-        if e.code() == grpc.StatusCode.CANCELLED and cancel_after is not None:
-            return "cancelled"
-        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return "overloaded"
-        raise
-    raise AssertionError(f"request {i}: stream ended without a finish reason")
+    on_response = (lambda: asyncio.sleep(0.005 + rng.random() * 0.02)) if slow else None
+    outcome, _ = await generate_stream_outcome(
+        call, ids, max_tokens, timeout=timeout, cancel_after=cancel_after, label=i, on_response=on_response,
+        status_outcomes={grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded"})
+    return outcome
 
 
 async def _http_one(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:

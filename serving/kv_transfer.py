@@ -57,11 +57,30 @@ from .kv_pool import PagePool
 from .api import lenient_deserializer
 from .proto import tbjax_kv_v1_pb2 as kvpb
 
-__all__ = ["KVReceiver", "KVSender", "TransferError", "SendStats", "kv_service_handler", "host_pages", "KV_SERVICE_NAME"]
+__all__ = ["KVReceiver", "KVSender", "TransferError", "SendStats", "kv_service_handler", "host_pages", "KV_SERVICE_NAME",
+           "LoopTask"]
 
 log = logging.getLogger(__name__)
 
 KV_SERVICE_NAME = kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name   # "tbjax.kv.v1.KVTransfer"
+
+
+class LoopTask:
+    """A background coroutine run as one asyncio task: ``start`` (on the running loop) creates it unless it runs,
+    ``cancel`` cancels it; both may be called again."""
+
+    def __init__(self, coro_fn: Callable[[], object]):
+        self._coro_fn = coro_fn
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._coro_fn())
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
 
 # -- decode side -----------------------------------------------------------------------------------------------
@@ -135,7 +154,7 @@ class KVReceiver:
                 log.warning("no CUDA IPC KV buffer (%s: %s)", type(e).__name__, e)
         self._res: dict[str, _Reservation] = {}
         self.timings: dict[str, dict] = {}     # request id -> seconds of each phase of its last transfer (last 256)
-        self._expiry: asyncio.Task | None = None
+        self._expiry = LoopTask(self._expire_loop)
         self.num_completed = 0
         self.num_failed = 0
 
@@ -169,13 +188,10 @@ class KVReceiver:
 
     def start(self) -> None:
         """Start the expiry task (call on the serving loop)."""
-        if self._expiry is None:
-            self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+        self._expiry.start()
 
     async def stop(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
+        self._expiry.cancel()
         for res in list(self._res.values()):
             self._fail(res, "receiver stopped")
         if self.arena is not None:
@@ -477,21 +493,21 @@ class _Abort(Exception):
         self.code, self.message = code, message
 
 
+def _kv_method(make_handler, behaviour, request_type, response_type) -> grpc.RpcMethodHandler:
+    return make_handler(behaviour, request_deserializer=lenient_deserializer(request_type),
+                        response_serializer=response_type.SerializeToString)
+
+
 def kv_service_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
     """The KVTransfer service for a grpc.aio server: ``server.add_generic_rpc_handlers((handler,))``."""
     handlers = {
-        "Announce": grpc.unary_unary_rpc_method_handler(
-            receiver.Announce, request_deserializer=lenient_deserializer(kvpb.AnnounceRequest),
-            response_serializer=kvpb.AnnounceResponse.SerializeToString),
-        "PushKV": grpc.stream_unary_rpc_method_handler(
-            receiver.PushKV, request_deserializer=lenient_deserializer(kvpb.KVChunk),
-            response_serializer=kvpb.PushResult.SerializeToString),
-        "Transfer": grpc.stream_stream_rpc_method_handler(
-            receiver.Transfer, request_deserializer=lenient_deserializer(kvpb.TransferMessage),
-            response_serializer=kvpb.TransferReply.SerializeToString),
-        "Release": grpc.unary_unary_rpc_method_handler(
-            receiver.Release, request_deserializer=lenient_deserializer(kvpb.ReleaseRequest),
-            response_serializer=kvpb.ReleaseResponse.SerializeToString),
+        "Announce": _kv_method(grpc.unary_unary_rpc_method_handler, receiver.Announce, kvpb.AnnounceRequest,
+                               kvpb.AnnounceResponse),
+        "PushKV": _kv_method(grpc.stream_unary_rpc_method_handler, receiver.PushKV, kvpb.KVChunk, kvpb.PushResult),
+        "Transfer": _kv_method(grpc.stream_stream_rpc_method_handler, receiver.Transfer, kvpb.TransferMessage,
+                               kvpb.TransferReply),
+        "Release": _kv_method(grpc.unary_unary_rpc_method_handler, receiver.Release, kvpb.ReleaseRequest,
+                              kvpb.ReleaseResponse),
     }
     return grpc.method_handlers_generic_handler(KV_SERVICE_NAME, handlers)
 

@@ -221,6 +221,21 @@ def _finite(name: str, v: float) -> float:
     return float(v)
 
 
+def _integer(name: str, v: int) -> int:
+    return int(v)
+
+
+def _checked_field(sp, out: dict, name: str, read: Callable[[str, Any], Any], valid: Callable[[Any], bool],
+                   must_be: str) -> None:
+    """``out[name]``: field ``name`` of ``sp`` through ``read(name, value)`` when the field is set; INVALID_ARGUMENT
+    "``name`` must be ``must_be``" unless ``valid`` holds for it."""
+    if sp.HasField(name):
+        v = read(name, getattr(sp, name))
+        if not valid(v):
+            raise _invalid(f"{name} must be {must_be}, got {v}")
+        out[name] = v
+
+
 def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, limits: Limits,
                    kv_tokens: int | None = None) -> dict[str, Any]:
     """Checked keyword arguments for ``SamplingParams`` from a ``tbjax.v1.SamplingParams`` message. ``kv_tokens``:
@@ -245,29 +260,11 @@ def check_sampling(sp, *, prompt_len: int, vocab_size: int, max_context: int, li
     else:
         mt = min(limits.default_max_tokens, left, *(() if kv_left is None else (max(kv_left, 1),)))
     out["max_tokens"] = mt
-    if sp.HasField("temperature"):
-        t = _finite("temperature", sp.temperature)
-        if t < 0:
-            raise _invalid(f"temperature must be >= 0 (0 = greedy), got {t}")
-        out["temperature"] = t
-    if sp.HasField("top_k"):
-        if sp.top_k < 0:
-            raise _invalid(f"top_k must be >= 0 (0 = off), got {sp.top_k}")
-        out["top_k"] = int(sp.top_k)
-    if sp.HasField("top_p"):
-        p = _finite("top_p", sp.top_p)
-        if not 0.0 < p <= 1.0:
-            raise _invalid(f"top_p must be in (0, 1], got {p}")
-        out["top_p"] = p
-    if sp.HasField("min_p"):
-        p = _finite("min_p", sp.min_p)
-        if not 0.0 <= p < 1.0:
-            raise _invalid(f"min_p must be in [0, 1), got {p}")
-        out["min_p"] = p
-    if sp.HasField("seed"):
-        if sp.seed < 0:
-            raise _invalid(f"seed must be >= 0, got {sp.seed}")
-        out["seed"] = int(sp.seed)
+    _checked_field(sp, out, "temperature", _finite, lambda t: t >= 0, ">= 0 (0 = greedy)")
+    _checked_field(sp, out, "top_k", _integer, lambda k: k >= 0, ">= 0 (0 = off)")
+    _checked_field(sp, out, "top_p", _finite, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
+    _checked_field(sp, out, "min_p", _finite, lambda p: 0.0 <= p < 1.0, "in [0, 1)")
+    _checked_field(sp, out, "seed", _integer, lambda s: s >= 0, ">= 0")
     if len(sp.stop) > limits.max_stop_strings:
         raise _invalid(f"{len(sp.stop)} stop strings, more than the limit {limits.max_stop_strings}")
     for i, s in enumerate(sp.stop):

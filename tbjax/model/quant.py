@@ -365,14 +365,22 @@ def _common(parts: list[HostQuant]) -> list[HostQuant]:
     return out
 
 
+def _common_quant(parts):
+    """The parts as HostQuant of one format and block (float arrays quantized like the first HostQuant), or None
+    when no part is a HostQuant."""
+    if not any(isinstance(p, HostQuant) for p in parts):
+        return None
+    ref = next(p for p in parts if isinstance(p, HostQuant))
+    return _common([p if isinstance(p, HostQuant) else quantize(p, ref.fmt, in_axis=p.ndim - 1, group=ref.block[-1])
+                    for p in parts])
+
+
 def concat(parts, axis: int):
     """np.concatenate for float arrays and HostQuant (mixed: floats are quantized like the others)."""
-    if not any(isinstance(p, HostQuant) for p in parts):
+    quant = _common_quant(parts)
+    if quant is None:
         return np.concatenate(parts, axis=axis)
-    ref = next(p for p in parts if isinstance(p, HostQuant))
-    parts = [p if isinstance(p, HostQuant) else quantize(p, ref.fmt, in_axis=p.ndim - 1, group=ref.block[-1])
-             for p in parts]
-    parts = _common(parts)
+    parts = quant
     b = parts[0].block[axis]
     if b != 1 and any(p.shape[axis] % b for p in parts[:-1]):
         raise QuantError(f"cannot concatenate along axis {axis}: sizes {[p.shape[axis] for p in parts]} are not "
@@ -384,12 +392,10 @@ def concat(parts, axis: int):
 
 def stack(parts, axis: int = 0):
     """np.stack for float arrays and HostQuant (the new axis has block 1)."""
-    if not any(isinstance(p, HostQuant) for p in parts):
+    quant = _common_quant(parts)
+    if quant is None:
         return np.stack(parts, axis=axis)
-    ref = next(p for p in parts if isinstance(p, HostQuant))
-    parts = [p if isinstance(p, HostQuant) else quantize(p, ref.fmt, in_axis=p.ndim - 1, group=ref.block[-1])
-             for p in parts]
-    parts = _common(parts)
+    parts = quant
     block = parts[0].block[:axis] + (1,) + parts[0].block[axis:]
     z = None if parts[0].zero is None else np.stack([p.zero for p in parts], axis)
     return HostQuant(np.stack([p.codes for p in parts], axis), np.stack([p.scale for p in parts], axis), z,

@@ -37,15 +37,15 @@ class SimulatedDevice:
         self.busy_s = 0.0
         self.rng = np.random.default_rng(seed)
 
-    def launch(self, inp, packed=None, want_logprobs=False, prev=None):
+    def launch(self, inp, packed=None, want_logprobs=False, prev=None, qbuf=None):
         start = max(time.perf_counter(), self.busy_until)
         self.busy_until = start + self.step_s
         self.busy_s += self.step_s
-        S = inp.block_tables_SP.shape[0]
+        S = inp.temperature_S.size                 # one sampled token per sampling row
         return {"tokens": self.rng.integers(0, 256, S).astype(np.int32), "_end": self.busy_until}
 
     @staticmethod
-    def fetch(out):
+    def fetch(out, want_logprobs=False):
         wait = out["_end"] - time.perf_counter()
         if wait > 0:
             time.sleep(wait)

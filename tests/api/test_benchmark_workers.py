@@ -44,3 +44,22 @@ def test_forward_argv_store_false_and_none():
     assert forward_argv(ap, ap.parse_args([])) == ["--n", "3"]
     args = ap.parse_args(["--no-x", "--name", "a b", "--n", "5"])
     assert ap.parse_args(forward_argv(ap, args)) == args
+
+
+def test_engine_host_bench_drives_the_engine(tmp_path):
+    """bench_engine_host's simulated device stands in for ModelRunner.launch / fetch: the engine must run on it (its
+    signatures follow the runner's) and the numbers must obey the simulated device: no step shorter than the device
+    time, the device never busier than the wall, one token per sequence per decode step."""
+    import json
+    import subprocess
+    out = tmp_path / "host.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_engine_host.py"), "--batch", "4",
+                        "--prompt", "8", "--steps", "20", "--device-ms", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["overlap"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["median_step_ms"] >= 2.0 * 0.98, r
+        assert r["device_busy"] <= 1.02, r           # (a step launched before the timed window may end inside it)
+        assert r["tok_per_s"] == pytest.approx(4 * 1e3 / r["median_step_ms"], rel=0.35), r

@@ -34,7 +34,7 @@ import grpc
 
 from .engine_loop import EngineLoop, RequestStream
 from .kv_codecs import CODECS, SplitZipCodec, register_codec
-from .kv_transfer import KVReceiver, KVSender, TransferError, kv_service_handler
+from .kv_transfer import KVReceiver, KVSender, LoopTask, TransferError, kv_service_handler
 
 __all__ = ["PD_SERVICE", "PrefillService", "DecodeService", "EnginePagePool", "worker_handler", "dumps", "loads",
            "params_to_dict", "kv_codecs_for", "page_layout"]
@@ -121,12 +121,8 @@ class _Base:
         """Free/usable pages after dropping unlocked prefix-cache pages, open reservations, held sequences."""
         def f(e):
             s = e.scheduler
-            s.check()
-            for r in s.ranks:
-                if r.cache is not None:
-                    r.cache.clear()
-            return {"pages_free": sum(r.allocator.num_free for r in s.ranks),
-                    "pages_usable": sum(r.allocator.num_usable for r in s.ranks),
+            pages = s.clear_prefix_caches()
+            return {"pages_free": sum(free for free, _ in pages), "pages_usable": sum(u for _, u in pages),
                     "reservations": s.num_reservations, "held": s.num_held, "unfinished": s.has_unfinished()}
         d = await _future(self.engine_loop.call(f))
         d.update(self.extra_stats())
@@ -269,20 +265,17 @@ class DecodeService(_Base):
                                    on_ready=self._on_ready, scales_shape=scales_layout(eng), shm_bytes=shm_bytes,
                                    copier=copier, device=pool_device(eng), ipc_bytes=ipc_bytes)
         self._landed: dict[str, tuple[list[int], float]] = {}    # request id -> (pages, deadline)
-        self._expiry: asyncio.Task | None = None
+        self._expiry = LoopTask(self._expire_loop)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return kv_service_handler(self.receiver)
 
     def start(self) -> None:
         self.receiver.start()
-        if self._expiry is None:
-            self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+        self._expiry.start()
 
     async def stop(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
+        self._expiry.cancel()
         await self.receiver.stop()
         for rid in list(self._landed):
             self._drop(rid, "decode worker stopped")

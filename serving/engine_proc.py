@@ -40,6 +40,7 @@ import multiprocessing as mp
 import pickle
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .engine_loop import Admitted, EngineFailed, EngineStopped, RequestStream, warm_up, warming_message
@@ -50,18 +51,16 @@ __all__ = ["EngineProcess", "StreamOutput"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, eq=False)
 class StreamOutput:
     """A request output as it arrives from the child: the fields the servicer reads."""
 
-    __slots__ = ("request_id", "new_token_ids", "text_delta", "finished", "finish_reason", "logprobs")
-
-    def __init__(self, request_id, new_token_ids, text_delta, finished, finish_reason, logprobs):
-        self.request_id = request_id
-        self.new_token_ids = new_token_ids
-        self.text_delta = text_delta
-        self.finished = finished
-        self.finish_reason = finish_reason
-        self.logprobs = logprobs
+    request_id: Any
+    new_token_ids: Any
+    text_delta: Any
+    finished: Any
+    finish_reason: Any
+    logprobs: Any
 
 
 def _picklable_exc(e: BaseException) -> BaseException:

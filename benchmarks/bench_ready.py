@@ -172,7 +172,8 @@ def _serve(args, cache_dir, label, load: bool) -> dict:
         # the program cache as this start found and left it: a warm start that compiles again says why here
         progs = os.path.join(cache_dir, "tbjax-programs")
         res["saved_programs"] = len([f for f in os.listdir(progs) if f.endswith(".bin")]) if os.path.isdir(progs) else 0
-        res["program_cache_lines"] = [ln for ln in stderr_lines(400) if "saved step program" in ln or "could not save step program" in ln][:10]
+        res["program_cache_lines"] = [ln for ln in stderr_lines(400)
+                                      if "saved step program" in ln or "could not save step program" in ln][:10]
         if load:
             res["passes"] = []
             for i in range(args.load_passes):

@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 
-from conftest import FAST_COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"   # as tests/conftest.py
 
 CHILD = r"""
 import json, os, sys

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call comparing the engine's decode step of this tree against an older tree (issue 14: "no slower than the
 # previous runner"), each section under its own time limit (T_* seconds, 0 skips), JSON per section under $OUT:
-#   old      .carry/old (git archive of the older commit) at the shapes $SHAPES, no transformers, no e2e
+#   old      .carry/old (git archive of the older commit) at the shapes $SHAPES, no transformers, no e2e; profiled at
+#            $PROFILE_OLD (default none; PROFILE_NEW: the new tree's profiled shapes, default the first shape)
 #   new      this tree, command buffers as the default says (EngineConfig.command_buffers "auto"), with the
 #            Engine.step() end-to-end run and a profile of the first shape
 #   nocb     this tree with command buffers off ("on" if the default is off): the other setting, same shapes
@@ -19,12 +20,12 @@ B=benchmarks/bench_engine_decode.py
 COMMON=(--shapes "$SHAPES" --ref-shape '' --compare-matmul '' --layer-buffers split --no-hf)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 if [ "${T_OLD:-70}" -gt 0 ] && [ -d .carry/old ]; then
-  mkdir -p "$OUT/old"; (cd .carry/old && OUT="$OUT/old" timeout "${T_OLD:-70}" python3 $B "${COMMON[@]}" --e2e '' --profile '' \
-    --time-budget "$(( ${T_OLD:-70} - 10 ))" --out "$OUT/step_old.json" > "$OUT/old.log" 2>&1)
+  mkdir -p "$OUT/old"; (cd .carry/old && OUT="$OUT/old" timeout "${T_OLD:-70}" python3 $B "${COMMON[@]}" --e2e '' \
+    --profile "${PROFILE_OLD:-}" --time-budget "$(( ${T_OLD:-70} - 10 ))" --out "$OUT/step_old.json" > "$OUT/old.log" 2>&1)
   echo "old: rc=$?"; grep -E "^\| |sync" "$OUT/old.log" | tail -8
 fi
 if [ "${T_NEW:-90}" -gt 0 ]; then
-  timeout "${T_NEW:-90}" python3 $B "${COMMON[@]}" --e2e 32:1024 --profile "${SHAPES%%,*}" \
+  timeout "${T_NEW:-90}" python3 $B "${COMMON[@]}" --e2e 32:1024 --profile "${PROFILE_NEW:-${SHAPES%%,*}}" \
     --time-budget "$(( ${T_NEW:-90} - 10 ))" --out "$OUT/step_new.json" > "$OUT/new.log" 2>&1
   echo "new: rc=$?"; grep -E "^\| |sync" "$OUT/new.log" | tail -8
 fi

@@ -182,8 +182,12 @@ def _warmup_line(name: str, info: dict | None) -> str:
         return f"tbjax: {name}: the engine was already warmed up"
     what = f"{info['programs']} programs" if isinstance(info.get("programs"), int) else "programs"
     how = " (one short request: this engine has no warmup())" if info.get("how") == "one request" else ""
-    return (f"tbjax: {name}: warm-up compiled {what} in {info.get('seconds', 0.0):.1f} s{how}; "
-            f"{info.get('xla_compiles', 0)} XLA compiles, {info.get('xla_compile_seconds', 0.0):.1f} s")
+    origin = ""
+    if isinstance(info.get("loaded"), int) and isinstance(info.get("compiled"), int):
+        origin = f" ({info['loaded']} loaded ready-made, {info['compiled']} compiled)"
+    pages = f"; KV pool {info['kv_pages']} pages" if isinstance(info.get("kv_pages"), int) else ""
+    return (f"tbjax: {name}: warm-up readied {what}{origin} in {info.get('seconds', 0.0):.1f} s{how}; "
+            f"{info.get('xla_compiles', 0)} XLA compiles, {info.get('xla_compile_seconds', 0.0):.1f} s{pages}")
 
 
 async def _serve_split(a: ServeConfig, models) -> int:

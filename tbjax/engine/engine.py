@@ -321,8 +321,12 @@ class Engine:
         runners = [self.runner] + ([self.spec_decoder.runner] if self.spec_decoder is not None else [])
         before = sum(r.num_compiled for r in runners)
         secs = sum(r.precompile(progress=progress) for r in runners)
+        # programs taken ready-made (the saved program cache, or another engine of this process) vs compiled here
+        loaded = sum(r.last_precompile["loaded"] for r in runners)
+        compiled = sum(r.last_precompile["compiled"] for r in runners)
         return {"programs": sum(len(r.buckets) for r in runners),
-                "new_programs": sum(r.num_compiled for r in runners) - before, "seconds": secs}
+                "new_programs": sum(r.num_compiled for r in runners) - before, "seconds": secs,
+                "loaded": loaded, "compiled": compiled, "kv_pages": self.kv_config.num_pages}
 
     @property
     def kv_tokens_per_sequence(self) -> int:

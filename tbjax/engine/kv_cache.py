@@ -82,13 +82,30 @@ def pages_for_budget(spec: ModelSpec, page_size: int, dtype: str, budget_bytes: 
     return max(2, budget_bytes // page_bytes(spec, page_size, dtype))
 
 
-def auto_num_pages(spec: ModelSpec, page_size: int, dtype: str, params_bytes: int, fraction: float = 0.85) -> int:
-    """Pages that fit in the device memory left after the weights (CPU: a fixed 16k-token pool)."""
-    dev = jax.devices()[0]
+def auto_num_pages(spec: ModelSpec, page_size: int, dtype: str, params_bytes: int, fraction: float = 0.85,
+                   device=None) -> int:
+    """Pages that fit in the device memory left after the weights (CPU: a fixed 16k-token pool).
+
+    The count is rounded down to a coarse step (1/64 of it or finer, a power of two), so that a few MB more or less
+    in use at start-up (loader temporaries not yet freed) give the same pool, hence the same step-program shapes and
+    program-cache keys at every start."""
+    import gc
+    dev = device if device is not None else jax.devices()[0]
     per_page = page_bytes(spec, page_size, dtype)
-    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if dev.platform == "cpu":
+        return max(2, 16384 // page_size + 1)
+    gc.collect()                       # buffers of dropped loader arrays are freed before memory is counted
+    stats = dev.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return max(2, 16384 // page_size + 1)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     budget = int(free * fraction) - 2 * params_bytes // max(spec.n_layers, 1)  # headroom for activations
-    return max(2, budget // per_page)
+    return stable_page_count(budget // per_page)
+
+
+def stable_page_count(pages: int) -> int:
+    """`pages` rounded down to a multiple of the largest power of two <= pages / 64 (at least 2 pages)."""
+    if pages < 128:
+        return max(2, pages)
+    step = 1 << ((pages // 64).bit_length() - 1)
+    return pages // step * step

@@ -338,6 +338,7 @@ class ModelRunner:
         self._top_lp = jax.jit(_top_logprobs)
         self._top_lp_compiled: dict = {}   # sampling slots U -> compiled top-logprobs program (precompile)
         self.ready = False                 # set after precompile(): a later compile is logged as a warning
+        self.last_precompile = {"loaded": 0, "compiled": 0}   # programs of the last precompile() by origin
 
     # ---- KV pools -------------------------------------------------------------------------------------------
     def init_caches(self, kv: KVCacheConfig) -> None:
@@ -555,6 +556,8 @@ class ModelRunner:
                         program_cache.shared_put(keys[w], exe)
                         found[w] = exe
         todo, lp_todo = {}, {}
+        self.last_precompile = {"loaded": sum(exe is not None for exe in found.values()),
+                                "compiled": sum(exe is None for exe in found.values())}
         for (kind, n), exe in found.items():
             table = self._compiled if kind == "step" else self._top_lp_compiled
             if exe is not None:

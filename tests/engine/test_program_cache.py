@@ -30,7 +30,7 @@ if sys.argv[4] != "none":          # resident quantized weights (what the defaul
 eng = Engine(spec, params, byte_tokenizer(), EngineConfig(num_pages=32, page_size=4, max_num_seqs=4,
                                                          max_num_batched_tokens=int(sys.argv[3])))
 c0 = n[0]
-eng.warmup()
+info = eng.warmup()
 compiles = n[0] - c0
 for i, p in enumerate([[5, 6, 7], [9] * 11, [1]]):
     eng.add_request(i, p, SamplingParams.greedy(6, ignore_eos=True))
@@ -38,7 +38,7 @@ out = {}
 while eng.has_unfinished():
     for o in eng.step():
         out.setdefault(o.request_id, []).extend(o.new_token_ids)
-print("RESULT " + json.dumps({"compiles": compiles, "programs": len(eng.runner.buckets),
+print("RESULT " + json.dumps({"compiles": compiles, "loaded": info["loaded"], "compiled": info["compiled"], "programs": len(eng.runner.buckets),
                               "lp_programs": len(eng.runner._top_lp_compiled),
                               "tokens": [out[i] for i in range(3)]}))
 """
@@ -57,10 +57,12 @@ def _run(cache, budget=16, weights="none"):
 def test_saved_programs_load_without_compiling_and_give_the_same_tokens(tmp_path):
     first, _ = _run(tmp_path)
     assert first["compiles"] >= first["programs"] > 1
+    assert first["loaded"] == 0 and first["compiled"] == first["programs"] + first["lp_programs"]
     saved = sorted((tmp_path / "tbjax-programs").glob("*.bin"))
     assert len(saved) == first["programs"] + first["lp_programs"]      # the step and top-logprobs programs
     second, _ = _run(tmp_path)
     assert second["compiles"] == 0 and second["tokens"] == first["tokens"]
+    assert second["compiled"] == 0 and second["loaded"] == first["compiled"]     # what the warm-up line reports
     saved[0].write_bytes(b"not a program")            # a corrupt file: warned about, deleted, compiled again
     third, err = _run(tmp_path)
     assert third["compiles"] >= 1 and third["tokens"] == first["tokens"] and "did not load" in err

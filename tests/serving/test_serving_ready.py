@@ -197,7 +197,7 @@ def test_serve_cli_prints_serving_only_after_the_warmup(extra):
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0
         rest = p.stderr.read()
-        assert "warm-up compiled 8 programs" in rest and "stopped" in rest, rest
+        assert "warm-up readied 8 programs" in rest and "stopped" in rest, rest
     finally:
         if p.poll() is None:
             p.kill()

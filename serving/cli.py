@@ -181,12 +181,17 @@ def _warmup_line(name: str, info: dict | None) -> str:
     if info.get("how") == "already ready":
         return f"tbjax: {name}: the engine was already warmed up"
     what = f"{info['programs']} programs" if isinstance(info.get("programs"), int) else "programs"
-    how = " (one short request: this engine has no warmup())" if info.get("how") == "one request" else ""
-    origin = ""
+    notes = []
+    if isinstance(info.get("programs_total"), int) and info["programs_total"] != info.get("programs"):
+        what = f"{info['programs']} step programs"
+        notes.append(f"{info['programs_total']} programs in all")
     if isinstance(info.get("loaded"), int) and isinstance(info.get("compiled"), int):
-        origin = f" ({info['loaded']} loaded ready-made, {info['compiled']} compiled)"
+        notes.append(f"{info['loaded']} loaded ready-made, {info['compiled']} compiled")
+    if notes:
+        what += " (" + "; ".join(notes) + ")"
+    how = " (one short request: this engine has no warmup())" if info.get("how") == "one request" else ""
     pages = f"; KV pool {info['kv_pages']} pages" if isinstance(info.get("kv_pages"), int) else ""
-    return (f"tbjax: {name}: warm-up readied {what}{origin} in {info.get('seconds', 0.0):.1f} s{how}; "
+    return (f"tbjax: {name}: warm-up readied {what} in {info.get('seconds', 0.0):.1f} s{how}; "
             f"{info.get('xla_compiles', 0)} XLA compiles, {info.get('xla_compile_seconds', 0.0):.1f} s{pages}")
 
 

@@ -146,7 +146,7 @@ def _order_u32(x):
     return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
-def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B):
+def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False):
     """The tokens top-k / top-p / min-p keep, without a sort and without a runtime branch: the same rule as
     `_keep_sorted` over the order (value descending, id ascending). A token is kept iff the tokens before it in that
     order number fewer than top_k and weigh less than top_p; that holds for a prefix of the order, so it is found as
@@ -155,6 +155,8 @@ def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B):
     B, V = scaled_BV.shape
     p = jnp.exp(scaled_BV - lse_B1)
     u = _order_u32(scaled_BV)
+    if materialize:                      # computed once, not again inside each round's [B, 15, V] reduction
+        p, u = jax.lax.optimization_barrier((p, u))
     k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V).astype(jnp.int32)
 
     def dropped(v_BD):                   # is the first token of value v (in id order) dropped? monotone: falls with v

@@ -433,6 +433,11 @@ class ModelRunner:
         return self._empty_inputs(bucket).pack()[2]
 
     @property
+    def num_programs(self) -> int:
+        """Programs this runner holds ready to run: its step programs and its top-logprobs programs."""
+        return len(self._compiled) + len(self._top_lp_compiled)
+
+    @property
     def num_compiled(self) -> int:
         return sum(f._cache_size() for f in self._fns.values()) + len(self._compiled)
 

@@ -172,6 +172,10 @@ def test_warmup_compiles_every_program_and_then_nothing_compiles(model, expected
     eng = _engine(model, max_num_batched_tokens=64, num_pages=96)
     info = eng.warmup()
     assert eng.ready and info["programs"] == len(eng.runner.buckets) <= 12
+    # step + top-logprobs programs, each either taken ready-made or compiled (what the warm-up line reports)
+    n_lp = len({eng.runner.samples_for(b) for b in eng.runner.buckets})
+    assert info["programs_total"] == info["programs"] + n_lp == info["loaded"] + info["compiled"]
+    assert info["kv_pages"] == 96
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda ev, dur, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)

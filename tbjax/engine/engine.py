@@ -81,6 +81,9 @@ class EngineConfig:
     # as a decode). Costs the padding of every step to max_num_batched_tokens (benchmarks/RESULTS.md); dense models
     # only (a MoE layer's expert grouping still depends on the batch).
     deterministic: bool = False
+    # Sampled rows drawn by a small program after the step (only on steps that have one) instead of inside it, so
+    # that greedy steps never pay for the top-k / top-p / min-p filters: None = on GPU (runner `post_sample`)
+    post_sample: bool | None = None
 
 
 @dataclasses.dataclass
@@ -180,7 +183,7 @@ class Engine:
                                   max_pages_per_seq=max_pages_per_seq, attn_impl=config.attn_impl,
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
                                   fold_norms=config.fold_norms, command_buffers=config.command_buffers,
-                                  deterministic=config.deterministic,
+                                  deterministic=config.deterministic, post_sample=config.post_sample,
                                   spec_role="target" if spec_cfg else None,
                                   spec_tokens=spec_cfg.num_tokens if spec_cfg else 0)
         # the draft (its weights, ring pools, distribution buffer) is placed before the target's KV is sized, so

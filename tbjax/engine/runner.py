@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import time
 
@@ -170,6 +171,7 @@ class _StepStatic:
     spec_role: str | None = None          # speculative decoding: "target" (verifies drafts), "draft", or None
     branchless: bool = False              # no runtime branch in the sampler (GPU: a conditional blocks dispatch)
     rows_as_decodes: bool = False         # every row's attention as a one-query decode (deterministic mode)
+    post_sample: bool = False             # the step takes the argmax; sampled rows are drawn by `_post_sample`
 
 
 def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _StepStatic):
@@ -205,8 +207,16 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
                                   kernel_impl=st.kernel_impl, ctx=ctx)
     logits_SV = lm_logits(params, spec, jnp.take(h_TD, inp["sample_rows_S"], axis=0), kernel_impl=st.kernel_impl)
     smp = (inp["temperature_S"], inp["top_k_S"], inp["top_p_S"], inp["min_p_S"])
-    tok_S, logprobs_SV = sample(logits_SV, *smp, inp["seed_S"], inp["sample_pos_S"], branchless=st.branchless)
     extra = {}
+    if st.post_sample:
+        # greedy here; a step with a sampled row runs the sampling program after this one (`ModelRunner.launch`),
+        # so greedy steps never pay for the filters (~0.5 ms per step at [32, 128k] on an H100)
+        tok_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+        extra["smp_f"] = jnp.concatenate([inp["temperature_S"], inp["top_p_S"], inp["min_p_S"]])
+        extra["smp_i"] = jnp.concatenate([inp["top_k_S"], jax.lax.bitcast_convert_type(inp["seed_S"], jnp.int32),
+                                          inp["sample_pos_S"]])
+    else:
+        tok_S, _ = sample(logits_SV, *smp, inp["seed_S"], inp["sample_pos_S"], branchless=st.branchless)
     if st.spec_role == "target":       # verify rows: rejection sampling against the draft's q (sampling.py)
         q_row = inp["q_row_S"]
         verify = q_row >= 0
@@ -232,14 +242,27 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
            # (a slice update, not .at[:S].set: with S == M that is a scatter with an empty index constant, which
            # crashes Shardy's unused-input canonicalization of the shard_map on XLA:CPU, jax 0.11.2)
            "tokens_M": jax.lax.dynamic_update_slice(jnp.zeros_like(prev_M), tok_S, (0,)),
-           # the top logprobs are not computed here: a top-k over [S, V] on every step cost 0.3-1 ms on the H200
+           # the logprobs are not computed here: a top-k over [S, V] on every step cost 0.3-1 ms on the H200
            # (benchmarks/RESULTS.md, 2026-12-02); `ModelRunner.top_logprobs` runs it on the steps that need it
-           "logprobs": logprobs_SV, **extra}
+           "logits": logits_SV.astype(jnp.float32), **extra}
     return out, caches
 
 
-def _top_logprobs(logprobs_UV, tokens_U):
-    """The chosen token's log-probability and the top TOP_LOGPROBS (values, ids) of each sampling row."""
+def _post_sample(logits_UV, tokens_U, tokens_M, smp_f, smp_i, *, branchless: bool):
+    """One rank's sampled rows of a step whose program took the argmax (`_StepStatic.post_sample`): the same
+    `sample` the step would have run, from the step's logits and sampling parameters; greedy rows keep their token.
+    Returns the tokens and the padded tokens_M that overlapped scheduling reads."""
+    U = tokens_U.shape[0]
+    temperature, top_p, min_p = smp_f[:U], smp_f[U:2 * U], smp_f[2 * U:]
+    top_k_U, seed, pos = smp_i[:U], jax.lax.bitcast_convert_type(smp_i[U:2 * U], jnp.uint32), smp_i[2 * U:]
+    tok, _ = sample(logits_UV, temperature, top_k_U, top_p, min_p, seed, pos, branchless=branchless)
+    return tok, jax.lax.dynamic_update_slice(tokens_M, tok, (0,))
+
+
+def _top_logprobs(logits_UV, tokens_U):
+    """The chosen token's log-probability and the top TOP_LOGPROBS (values, ids) of each sampling row, of the
+    unmodified distribution."""
+    logprobs_UV = jax.nn.log_softmax(logits_UV, axis=-1)
     top_lp, top_ids = top_k(logprobs_UV, TOP_LOGPROBS)
     return {"token_logprob": jnp.take_along_axis(logprobs_UV, tokens_U[:, None], axis=-1)[:, 0],
             "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
@@ -272,7 +295,7 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
                  matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False,
                  fp8_scales=None, spec_role: str | None = None, spec_tokens: int = 0, shared_params=None,
-                 command_buffers: str = "auto", deterministic: bool = False):
+                 command_buffers: str = "auto", deterministic: bool = False, post_sample: bool | None = None):
         """spec_role (speculative decoding, tbjax/engine/speculative.py): "target" gives every step
         max_num_seqs * (spec_tokens + 1) sampling slots (a verify entry samples each of its rows) and verifies drafts
         against the draft-distribution buffer; "draft" stores each sampled row's distribution there.
@@ -280,7 +303,10 @@ class ModelRunner:
         weights): nothing is placed or copied.
         deterministic: one token bucket (the budget) instead of the list, and every row's attention as a one-query
         decode: a row's result then depends only on its own sequence, not on what shares the step, the step's size
-        or how its prompt was chunked (docs/step.md, "Batch invariance")."""
+        or how its prompt was chunked (docs/step.md, "Batch invariance").
+        post_sample: the step program takes the argmax and a small program per sampling-slot count draws the
+        sampled rows, run only on steps that have one (None: on where the sampler is branchless, i.e. on GPU; the
+        speculative roles sample inside the step)."""
         if spec_role not in (None, "target", "draft"):
             raise ValueError(f"spec_role must be None, 'target' or 'draft', got {spec_role!r}")
         self.spec_role, self.spec_tokens = spec_role, int(spec_tokens)
@@ -336,6 +362,12 @@ class ModelRunner:
         self._fns: dict = {}               # bucket -> jitted step
         self._compiled: dict = {}          # bucket -> executable compiled ahead of use (precompile)
         self._top_lp = jax.jit(_top_logprobs)
+        on_gpu = self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
+        self.post_sample = (on_gpu if post_sample is None else bool(post_sample)) and spec_role is None
+        self._post = jax.jit(jax.shard_map(functools.partial(_post_sample, branchless=on_gpu), mesh=self.mesh,
+                                           in_specs=(P(self._bax),) * 5, out_specs=(P(self._bax),) * 2,
+                                           check_vma=False))
+        self._post_compiled: dict = {}     # sampling slots U -> compiled sampling program (post_sample)
         self._top_lp_compiled: dict = {}   # sampling slots U -> compiled top-logprobs program (precompile)
         self.ready = False                 # set after precompile(): a later compile is logged as a warning
         self.last_precompile = {"loaded": 0, "compiled": 0}   # programs of the last precompile() by origin
@@ -397,7 +429,7 @@ class ModelRunner:
         pspecs = sr.match_rules(self.params, mf.mesh_rules(self.plan))
         cspec = jax.tree.map(lambda _: P(self._bax), self.caches)
         rank = P(self._bax)
-        names = ["tokens", "tokens_M", "logprobs"]
+        names = ["tokens", "tokens_M", "logits"] + (["smp_f", "smp_i"] if st.post_sample else [])
         names += {"target": ["accepted"], "draft": ["qbuf"]}.get(self.spec_role, [])
         outs = {k: rank for k in names}
         donate = (1, 5) if self.spec_role == "draft" else (1,)
@@ -427,7 +459,7 @@ class ModelRunner:
     def _static(self, bucket: int) -> _StepStatic:
         return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role,
                            branchless=self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"),
-                           rows_as_decodes=self.deterministic)
+                           rows_as_decodes=self.deterministic, post_sample=self.post_sample)
 
     def _layout(self, bucket: int) -> tuple:
         return self._empty_inputs(bucket).pack()[2]
@@ -435,7 +467,7 @@ class ModelRunner:
     @property
     def num_programs(self) -> int:
         """Programs this runner holds ready to run: its step programs and its top-logprobs programs."""
-        return len(self._compiled) + len(self._top_lp_compiled)
+        return len(self._compiled) + len(self._top_lp_compiled) + len(self._post_compiled)
 
     @property
     def num_compiled(self) -> int:
@@ -549,7 +581,10 @@ class ModelRunner:
             U = self.samples_for(b)
             if U not in self._top_lp_compiled:
                 want.setdefault(("lp", U), None)
-        keys = {w: (self._program_key(w[1]) if w[0] == "step" else self._top_lp_key(w[1])) for w in want}
+            if self.post_sample and U not in self._post_compiled:
+                want.setdefault(("post", U), None)
+        keyf = {"step": self._program_key, "lp": self._top_lp_key, "post": self._post_key}
+        keys = {w: keyf[w[0]](w[1]) for w in want}
         found = {w: program_cache.shared_get(k) for w, k in keys.items()}    # compiled by another engine here
         missing = [w for w, exe in found.items() if exe is None]
         if saveable and missing:
@@ -560,37 +595,39 @@ class ModelRunner:
                     if exe is not None:
                         program_cache.shared_put(keys[w], exe)
                         found[w] = exe
-        todo, lp_todo = {}, {}
         self.last_precompile = {"loaded": sum(exe is not None for exe in found.values()),
                                 "compiled": sum(exe is None for exe in found.values())}
+        tables = {"step": self._compiled, "lp": self._top_lp_compiled, "post": self._post_compiled}
+        todo = {}
         for (kind, n), exe in found.items():
-            table = self._compiled if kind == "step" else self._top_lp_compiled
             if exe is not None:
-                table[n] = exe
-            elif kind == "step":
-                todo[n] = self._fn(n).lower(*self._abstract_args(n))
+                tables[kind][n] = exe
             else:
-                lp_todo[n] = self._top_lp.lower(*self._top_lp_args(n))
-        bar = tqdm(total=len(todo), desc="compiling step programs", disable=not progress or not todo, unit="prog")
-        with cf.ThreadPoolExecutor(max(1, min(workers, len(todo) + len(lp_todo)))) as pool:
-            futs = {pool.submit(lowered.compile): b for b, lowered in todo.items()}
-            lp_futs = {pool.submit(lowered.compile): U for U, lowered in lp_todo.items()}
+                todo[(kind, n)] = self._lowered(kind, n)
+        n_steps = sum(kind == "step" for kind, _ in todo)
+        bar = tqdm(total=n_steps, desc="compiling step programs", disable=not progress or not n_steps, unit="prog")
+        with cf.ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+            futs = {pool.submit(lowered.compile): w for w, lowered in todo.items()}
             for f in cf.as_completed(futs):
-                b = futs[f]
-                self._compiled[b] = f.result()
-                program_cache.shared_put(keys[("step", b)], self._compiled[b])
+                kind, n = w = futs[f]
+                tables[kind][n] = exe = f.result()
+                program_cache.shared_put(keys[w], exe)
                 if saveable:
-                    program_cache.save(keys[("step", b)], self._compiled[b])
-                bar.update(1)
-            for f, U in lp_futs.items():
-                self._top_lp_compiled[U] = f.result()
-                program_cache.shared_put(keys[("lp", U)], self._top_lp_compiled[U])
-                if saveable:
-                    program_cache.save(keys[("lp", U)], self._top_lp_compiled[U])
+                    program_cache.save(keys[w], exe)
+                if kind == "step":
+                    bar.update(1)
         bar.close()
         if buckets is None:
             self.ready = True
         return time.perf_counter() - t
+
+    def _lowered(self, kind: str, n: int):
+        """The lowered program of `kind` ("step": bucket n; "lp" / "post": n sampling slots)."""
+        if kind == "step":
+            return self._fn(n).lower(*self._abstract_args(n))
+        if kind == "lp":
+            return self._top_lp.lower(*self._top_lp_args(n))
+        return self._post.lower(*self._post_args(n))
 
     def _program_key(self, bucket: int) -> str:
         from tbjax.engine import program_cache
@@ -629,7 +666,32 @@ class ModelRunner:
         if exe is None:
             exe = self._shared_or_compile(b)
         out, self.caches = exe(*args)
+        if self.post_sample and np.any(inp.temperature_S > 0):
+            out = dict(out)
+            out["tokens"], out["tokens_M"] = self._post_exe(inp.temperature_S.shape[1])(
+                out["logits"], out["tokens"], out["tokens_M"], out["smp_f"], out["smp_i"])
         return out
+
+    def _post_exe(self, U: int):
+        exe = self._post_compiled.get(U)
+        if exe is None:
+            exe = self._shared_or(self._post_key(U), lambda: self._post.lower(*self._post_args(U)),
+                                  f"sampling program for {U} sampling slots")
+            self._post_compiled[U] = exe
+        return exe
+
+    def _post_args(self, U: int):
+        sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=self._rank_sharding)  # noqa: E731
+        R = self.num_ranks
+        return (sd((R * U, self.spec.vocab_size), jnp.float32), sd((R * U,), jnp.int32),
+                sd((R * self.max_samples,), jnp.int32), sd((R * 3 * U,), jnp.float32), sd((R * 3 * U,), jnp.int32))
+
+    def _post_key(self, U: int) -> str:
+        from tbjax.engine import program_cache
+        dev = self.mesh.devices.flat[0]
+        return program_cache.program_key("post_sample", U, dev.platform, getattr(dev, "device_kind", ""),
+                                         dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat],
+                                         [(a.shape, str(a.dtype), str(a.sharding)) for a in self._post_args(U)])
 
     def _shared_or_compile(self, b: int):
         """The step program of bucket b, from another engine of this process (same key) or compiled now."""
@@ -672,7 +734,7 @@ class ModelRunner:
             exe = self._shared_or(self._top_lp_key(U), lambda: self._top_lp.lower(*self._top_lp_args(U)),
                                   f"top-logprobs program for {U} sampling slots")
             self._top_lp_compiled[U] = exe
-        return exe(out["logprobs"], out["tokens"])
+        return exe(out["logits"], out["tokens"])
 
     def fetch(self, out: dict, want_logprobs: bool = True) -> dict[str, np.ndarray]:
         """Wait for a launched step and bring what the host needs (not the padded device-side tokens); with

@@ -63,3 +63,34 @@ def test_engine_host_bench_drives_the_engine(tmp_path):
         assert r["median_step_ms"] >= 2.0 * 0.98, r
         assert r["device_busy"] <= 1.02, r           # (a step launched before the timed window may end inside it)
         assert r["tok_per_s"] == pytest.approx(4 * 1e3 / r["median_step_ms"], rel=0.35), r
+
+
+def test_sampler_bench_times_every_variant_and_the_sampler_keeps_the_reference_set(tmp_path):
+    """benchmarks/bench_sampler.py on CPU at a small vocabulary: a timing per (batch, rows, variant), and the
+    kept-set search it times gives numpy's reference kept set (sampling.keep_mask_numpy) on its inputs."""
+    import json
+    import subprocess
+
+    import numpy as np
+
+    out = tmp_path / "s.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sampler.py"), "--batches", "2",
+                        "--vocab", "512", "--reps", "2", "--modes", "greedy,topp", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]
+    got = {(r["mode"], r["variant"]) for r in res if r.get("us", 0) > 0}
+    assert {("greedy", "current"), ("topp", "current"), ("topp", "keep_threshold"), ("topp", "argmax")} <= got
+    import jax.numpy as jnp
+
+    from tbjax import sampling
+    rng = np.random.default_rng(0)
+    lg = rng.standard_normal((2, 512)).astype(np.float32) * 3
+    x = lg / 0.7
+    lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) + x.max(-1, keepdims=True)
+    for mat in (False, True):
+        keep = np.asarray(sampling._keep_by_threshold(jnp.asarray(x), jnp.asarray(lse, jnp.float32),
+                                                      jnp.zeros(2, jnp.int32), jnp.full(2, 0.9, jnp.float32),
+                                                      jnp.zeros(2, jnp.float32), materialize=mat))
+        for b in range(2):
+            assert (keep[b] == sampling.keep_mask_numpy(lg[b], 0.7, 0, 0.9, 0.0)).all()

@@ -47,6 +47,13 @@ def variants():
         lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
         return sampling._keep_by_threshold(x, lse, k, p, m, materialize=True).sum(-1), lg[:, :1]
 
+    def keep_threshold_bits(bits):
+        def f(lg, t, k, p, m, s, pos):
+            x = lg / jnp.where(t > 0, t, 1.0)[:, None]
+            lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+            return sampling._keep_by_threshold(x, lse, k, p, m, bits=bits).sum(-1), lg[:, :1]
+        return f
+
     def gumbel_only(lg, t, k, p, m, s, pos):
         keys = jax.vmap(sampling._row_key)(s, pos)
         g = jax.vmap(lambda kk: jax.random.gumbel(kk, (lg.shape[1],), jnp.float32))(keys)
@@ -61,8 +68,8 @@ def variants():
         return i[:, 0], v
     out = {"current": current, "greedy_logsoftmax": greedy_only, "argmax": argmax_only,
            "keep_threshold": keep_threshold, "keep_threshold_mat": keep_threshold_mat, "gumbel": gumbel_only, "top64": top64, "top20_logprobs": top20}
-    extra = getattr(sampling, "BENCH_VARIANTS", {})
-    out.update(extra)
+    for bits in (1, 2, 8):
+        out[f"keep_threshold_b{bits}"] = keep_threshold_bits(bits)
     return out
 
 

@@ -146,12 +146,15 @@ def _order_u32(x):
     return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
-def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False):
+def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False, bits: int = 4):
     """The tokens top-k / top-p / min-p keep, without a sort and without a runtime branch: the same rule as
     `_keep_sorted` over the order (value descending, id ascending). A token is kept iff the tokens before it in that
     order number fewer than top_k and weigh less than top_p; that holds for a prefix of the order, so it is found as
-    the smallest value whose first token is kept, on the values' uint32 keys four bits at a time (8 rounds, each one
-    [B, 15, V] masked count and sum); ties at that value are resolved in id order by an exclusive prefix sum."""
+    the smallest value whose first token is kept, on the values' uint32 keys `bits` bits at a time (32 / bits rounds,
+    each one [B, 2^bits - 1, V] masked count and sum); ties at that value are resolved in id order by an exclusive
+    prefix sum. `bits` trades rounds for work per round (GPU cost: benchmarks/bench_sampler.py)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     B, V = scaled_BV.shape
     p = jnp.exp(scaled_BV - lse_B1)
     u = _order_u32(scaled_BV)
@@ -166,8 +169,8 @@ def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize
         return (n >= k[:, None]) | (m >= top_p_B[:, None])
     # the largest v whose first token is dropped (v = 0 is: all V tokens lie above it), built from the top digit down
     last = jnp.zeros((B,), jnp.uint32)
-    digits = jnp.arange(1, 16, dtype=jnp.uint32)
-    for shift in range(28, -1, -4):      # unrolled: a while loop's condition would be a device-to-host copy on GPU
+    digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+    for shift in range(32 - bits, -1, -bits):   # unrolled: a while loop's condition would be a device-to-host copy
         t_BD = last[:, None] + (digits[None, :] << shift)
         d = jnp.sum(dropped(t_BD), axis=-1, dtype=jnp.uint32)     # dropped for digits 1..d (monotone)
         last = last + (d << shift)

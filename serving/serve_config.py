@@ -29,6 +29,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from tbjax import cli
 from tbjax.engine import EngineConfig
 from tbjax.engine.kv_cache import KV_DTYPES
 
@@ -319,7 +320,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(description: str | None = None, config: type = ServeConfig) -> argparse.ArgumentParser:
     """The command line of ``config`` (ServeConfig): a flag per field (``--field-name``), in the fields' groups, its
     help ending in ``(default: ...)``. TypeError naming the field when a field is not a setting made by ``_s``."""
-    ap = _Parser(prog="python -m tbjax.serve", description=description)
+    ap = _Parser(prog=cli.prog("python -m tbjax.serve"), description=description)
     ap.config = config
     groups = {}
     for f in dataclasses.fields(config):

@@ -14,6 +14,15 @@ COMMANDS = {
 }
 
 
+_invoked_as: str | None = None     # "tbjax serve" while a command runs through this dispatcher
+
+
+def prog(default: str) -> str:
+    """The program name a command's --help and errors show: "tbjax COMMAND" when run through `tbjax`, else
+    `default` (its `python -m` form)."""
+    return _invoked_as or default
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: tbjax COMMAND [options]    (tbjax COMMAND --help for its options)", "", "commands:"]
@@ -30,7 +39,12 @@ def main(argv=None) -> int:
     if cmd not in COMMANDS:
         print(f"tbjax: unknown command {cmd!r} (commands: {', '.join(COMMANDS)}; tbjax --help)", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[cmd][0]).main(rest) or 0
+    global _invoked_as
+    _invoked_as = f"tbjax {cmd}"
+    try:
+        return importlib.import_module(COMMANDS[cmd][0]).main(rest) or 0
+    finally:
+        _invoked_as = None
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ import argparse
 import sys
 import time
 
+from tbjax import cli
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tbjax.generate", description=__doc__)
+    ap = argparse.ArgumentParser(prog=cli.prog("python -m tbjax.generate"), description=__doc__)
     ap.add_argument("prompt", nargs="+", help="prompt text (several prompts are generated as one batch)")
     ap.add_argument("--model", default=None, help="GGUF file, HF safetensors dir or tbjax checkpoint (default: SmolLM2)")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from sharding import packed as pk
 from sharding.mesh import AXES, DecodeLayout, MeshMismatch, axes_size, parse_mesh_arg
+from tbjax import cli
 from tbjax.model import quant
 from tbjax.model.kinds import ATTENTION_KINDS
 from tbjax.model.params import init_params
@@ -258,7 +259,7 @@ def release_table(specs: dict[str, ModelSpec], dps=(8, 16, 32), weights: str = "
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tbjax.plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=cli.prog("python -m tbjax.plan"), description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="+", help="config.json file(s) or model directories")
     ap.add_argument("--mesh", default="dp=8", help="mesh axes, e.g. dp=8,ep=2 (axes: dp, ep, tp, pp)")
     ap.add_argument("--context", type=int, default=8192, help="tokens per request (default 8192)")

@@ -43,3 +43,13 @@ def test_python_dash_m_tbjax_serve_help():
                        timeout=120, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert p.returncode == 0, p.stderr[-2000:]
     assert "--http-port" in p.stdout and "--max-num-seqs" in p.stdout
+    assert p.stdout.startswith("usage: tbjax serve "), p.stdout[:200]     # the name it was run by
+
+
+def test_help_names_the_program_as_it_was_run(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    assert capsys.readouterr().out.startswith("usage: tbjax plan ")
+    with pytest.raises(SystemExit):
+        plan.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m tbjax.plan ")

@@ -46,17 +46,21 @@ def test_forward_argv_store_false_and_none():
     assert ap.parse_args(forward_argv(ap, args)) == args
 
 
+def _run_bench(script: str, *args) -> None:
+    """Runs benchmarks/<script> on the CPU with `args`; it must exit 0."""
+    import subprocess
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *map(str, args)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
 def test_engine_host_bench_drives_the_engine(tmp_path):
     """bench_engine_host's simulated device stands in for ModelRunner.launch / fetch: the engine must run on it (its
     signatures follow the runner's) and the numbers must obey the simulated device: no step shorter than the device
     time, the device never busier than the wall, one token per sequence per decode step."""
     import json
-    import subprocess
     out = tmp_path / "host.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_engine_host.py"), "--batch", "4",
-                        "--prompt", "8", "--steps", "20", "--device-ms", "2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert p.returncode == 0, p.stderr[-3000:]
+    _run_bench("bench_engine_host.py", "--batch", 4, "--prompt", 8, "--steps", 20, "--device-ms", 2, "--out", out)
     rows = json.loads(out.read_text())["rows"]
     assert [r["overlap"] for r in rows] == [False, True]
     for r in rows:
@@ -69,15 +73,11 @@ def test_sampler_bench_times_every_variant_and_the_sampler_keeps_the_reference_s
     """benchmarks/bench_sampler.py on CPU at a small vocabulary: a timing per (batch, rows, variant), and the
     kept-set search it times gives numpy's reference kept set (sampling.keep_mask_numpy) on its inputs."""
     import json
-    import subprocess
 
     import numpy as np
 
     out = tmp_path / "s.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sampler.py"), "--batches", "2",
-                        "--vocab", "512", "--reps", "2", "--modes", "greedy,topp", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert p.returncode == 0, p.stderr[-2000:]
+    _run_bench("bench_sampler.py", "--batches", 2, "--vocab", 512, "--reps", 2, "--modes", "greedy,topp", "--out", out)
     res = json.loads(out.read_text())["results"]
     got = {(r["mode"], r["variant"]) for r in res if r.get("us", 0) > 0}
     assert {("greedy", "current"), ("topp", "current"), ("topp", "keep_threshold"), ("topp", "argmax")} <= got

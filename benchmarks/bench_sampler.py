@@ -67,7 +67,8 @@ def variants():
         v, i = sampling.top_k(jax.nn.log_softmax(lg, axis=-1), 20)
         return i[:, 0], v
     out = {"current": current, "greedy_logsoftmax": greedy_only, "argmax": argmax_only,
-           "keep_threshold": keep_threshold, "keep_threshold_mat": keep_threshold_mat, "gumbel": gumbel_only, "top64": top64, "top20_logprobs": top20}
+           "keep_threshold": keep_threshold, "keep_threshold_mat": keep_threshold_mat, "gumbel": gumbel_only,
+           "top64": top64, "top20_logprobs": top20}
     for bits in (1, 2, 8):
         out[f"keep_threshold_b{bits}"] = keep_threshold_bits(bits)
     return out
@@ -125,7 +126,8 @@ def main() -> int:
                     r = {"error": repr(e)[:300]}
                 r.update(batch=B, mode=mode, variant=name)
                 res["results"].append(r)
-                rows.append(f"| {B} | {mode} | {name} | {r.get('us', float('nan')):.1f} | {r.get('min_us', float('nan')):.1f} |")
+                us, mn = r.get("us", float("nan")), r.get("min_us", float("nan"))
+                rows.append(f"| {B} | {mode} | {name} | {us:.1f} | {mn:.1f} |")
                 print(rows[-1], flush=True)
     print("| B | rows | variant | us (median) | us (min) |\n|---|---|---|---|---|\n" + "\n".join(rows))
     if args.out:

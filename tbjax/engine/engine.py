@@ -327,7 +327,8 @@ class Engine:
         # programs taken ready-made (the saved program cache, or another engine of this process) vs compiled here
         loaded = sum(r.last_precompile["loaded"] for r in runners)
         compiled = sum(r.last_precompile["compiled"] for r in runners)
-        return {"programs": sum(len(r.buckets) for r in runners), "programs_total": sum(r.num_programs for r in runners),
+        return {"programs": sum(len(r.buckets) for r in runners),
+                "programs_total": sum(r.num_programs for r in runners),
                 "new_programs": sum(r.num_compiled for r in runners) - before, "seconds": secs,
                 "loaded": loaded, "compiled": compiled, "kv_pages": self.kv_config.num_pages}
 

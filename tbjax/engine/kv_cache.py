@@ -11,6 +11,7 @@ layout, allocator, fp8 scales and transfers stay those of GQA.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +90,6 @@ def auto_num_pages(spec: ModelSpec, page_size: int, dtype: str, params_bytes: in
     The count is rounded down to a coarse step (1/64 of it or finer, a power of two), so that a few MB more or less
     in use at start-up (loader temporaries not yet freed) give the same pool, hence the same step-program shapes and
     program-cache keys at every start."""
-    import gc
     dev = device if device is not None else jax.devices()[0]
     per_page = page_bytes(spec, page_size, dtype)
     if dev.platform == "cpu":

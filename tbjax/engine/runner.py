@@ -5,9 +5,10 @@ a kv length and a row of the block table. Decode-only and mixed steps are the sa
 `step_attention` sends one-row sequences to the decode kernel and the rest to the ragged kernel, each seeing the
 other's sequences at kv length 0). Shapes depend only on the token bucket T (`token_buckets`): the sequence slots
 are S = min(T, max_num_seqs) and the block table is always `max_pages_per_seq` wide, so no batch composition,
-context length or sampling setting ever needs another program. The step returns its sampling rows'
-log-probabilities; the chosen token's and the top `TOP_LOGPROBS` come from a small program keyed by the number of
-sampling slots (`top_logprobs`), run only for steps where a request asked for logprobs.
+context length or sampling setting ever needs another program. The step returns its sampling rows' logits. Two
+small programs keyed by the number of sampling slots follow it only on the steps that need them: on GPU the
+sampled rows are drawn after the step (`_post_sample`, so greedy steps skip the filters), and the chosen token's
+and the top `TOP_LOGPROBS` log-probabilities (`top_logprobs`) where a request asked for logprobs.
 
 Mesh first: the program is one `jax.shard_map` over the decode mesh, a 1x1 mesh on one device. Requests are
 split over the layout's batch axes: every device is a dp rank with its own KV pools (the global pool arrays are
@@ -210,7 +211,7 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
     extra = {}
     if st.post_sample:
         # greedy here; a step with a sampled row runs the sampling program after this one (`ModelRunner.launch`),
-        # so greedy steps never pay for the filters (~0.5 ms per step at [32, 128k] on an H100)
+        # so greedy steps never pay for the filters (H100: 0.62 ms at [32, 128k], 8.4 ms at [256, 128k])
         tok_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
         extra["smp_f"] = jnp.concatenate([inp["temperature_S"], inp["top_p_S"], inp["min_p_S"]])
         extra["smp_i"] = jnp.concatenate([inp["top_k_S"], jax.lax.bitcast_convert_type(inp["seed_S"], jnp.int32),
@@ -309,6 +310,8 @@ class ModelRunner:
         speculative roles sample inside the step)."""
         if spec_role not in (None, "target", "draft"):
             raise ValueError(f"spec_role must be None, 'target' or 'draft', got {spec_role!r}")
+        if post_sample is not None and not isinstance(post_sample, bool):
+            raise ValueError(f"post_sample must be None (auto), True or False, got {post_sample!r}")
         self.spec_role, self.spec_tokens = spec_role, int(spec_tokens)
         self.mesh = resolve_mesh(mesh)
         self.layout = layout or DecodeLayout()
@@ -466,7 +469,7 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """Programs this runner holds ready to run: its step programs and its top-logprobs programs."""
+        """Programs this runner holds ready to run: step, top-logprobs and sampling programs."""
         return len(self._compiled) + len(self._top_lp_compiled) + len(self._post_compiled)
 
     @property
@@ -687,11 +690,7 @@ class ModelRunner:
                 sd((R * self.max_samples,), jnp.int32), sd((R * 3 * U,), jnp.float32), sd((R * 3 * U,), jnp.int32))
 
     def _post_key(self, U: int) -> str:
-        from tbjax.engine import program_cache
-        dev = self.mesh.devices.flat[0]
-        return program_cache.program_key("post_sample", U, dev.platform, getattr(dev, "device_kind", ""),
-                                         dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat],
-                                         [(a.shape, str(a.dtype), str(a.sharding)) for a in self._post_args(U)])
+        return self._small_key(("post_sample", U), self._post_args(U))
 
     def _shared_or_compile(self, b: int):
         """The step program of bucket b, from another engine of this process (same key) or compiled now."""
@@ -719,11 +718,15 @@ class ModelRunner:
         return sd((R * U, self.spec.vocab_size), jnp.float32), sd((R * U,), jnp.int32)
 
     def _top_lp_key(self, U: int) -> str:
+        return self._small_key(("top_logprobs", U, TOP_LOGPROBS), self._top_lp_args(U))
+
+    def _small_key(self, what: tuple, args) -> str:
+        """Program-cache key of a small per-sampling-slot program: `what`, the devices, the arguments."""
         from tbjax.engine import program_cache
         dev = self.mesh.devices.flat[0]
-        return program_cache.program_key("top_logprobs", U, TOP_LOGPROBS, dev.platform, getattr(dev, "device_kind", ""),
-                                         dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat],
-                                         [(a.shape, str(a.dtype), str(a.sharding)) for a in self._top_lp_args(U)])
+        return program_cache.program_key(*what, dev.platform, getattr(dev, "device_kind", ""), dict(self.mesh.shape),
+                                         [d.id for d in self.mesh.devices.flat],
+                                         [(a.shape, str(a.dtype), str(a.sharding)) for a in args])
 
     def top_logprobs(self, out: dict) -> dict:
         """The launched step's logprobs (device arrays, no wait): token_logprob [R * U], top_logprobs / top_ids

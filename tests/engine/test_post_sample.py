@@ -58,6 +58,12 @@ def test_post_sample_equals_in_step_sampling_and_greedy_reference(model, expecte
     assert [gt[i] for i in range(len(PROMPTS))] == [e[:N_OUT] for e in expected]
 
 
+def test_post_sample_setting_is_checked(model):
+    spec, params = model
+    with pytest.raises(ValueError, match="post_sample must be None"):
+        Engine(spec, params, byte_tokenizer(), EngineConfig(num_pages=16, page_size=4, post_sample="yes"))
+
+
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
 def test_post_sample_on_a_dp2_mesh(model):
     work = [(p, KINDS[i % len(KINDS)]) for i, p in enumerate(PROMPTS)]

@@ -38,7 +38,8 @@ out = {}
 while eng.has_unfinished():
     for o in eng.step():
         out.setdefault(o.request_id, []).extend(o.new_token_ids)
-print("RESULT " + json.dumps({"compiles": compiles, "loaded": info["loaded"], "compiled": info["compiled"], "programs": len(eng.runner.buckets),
+print("RESULT " + json.dumps({"compiles": compiles, "loaded": info["loaded"], "compiled": info["compiled"],
+                              "programs": len(eng.runner.buckets),
                               "lp_programs": len(eng.runner._top_lp_compiled),
                               "tokens": [out[i] for i in range(3)]}))
 """

@@ -47,11 +47,11 @@ def variants():
         lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
         return sampling._keep_by_threshold(x, lse, k, p, m, materialize=True).sum(-1), lg[:, :1]
 
-    def keep_threshold_bits(bits):
+    def keep_threshold_bits(bits, shared_mask=False):
         def f(lg, t, k, p, m, s, pos):
             x = lg / jnp.where(t > 0, t, 1.0)[:, None]
             lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
-            return sampling._keep_by_threshold(x, lse, k, p, m, bits=bits).sum(-1), lg[:, :1]
+            return sampling._keep_by_threshold(x, lse, k, p, m, bits=bits, shared_mask=shared_mask).sum(-1), lg[:, :1]
         return f
 
     def gumbel_only(lg, t, k, p, m, s, pos):
@@ -71,6 +71,7 @@ def variants():
            "top64": top64, "top20_logprobs": top20}
     for bits in (1, 2, 8):
         out[f"keep_threshold_b{bits}"] = keep_threshold_bits(bits)
+    out["keep_threshold_shared"] = keep_threshold_bits(4, shared_mask=True)   # one mask for count and sum
     return out
 
 

@@ -146,26 +146,31 @@ def _order_u32(x):
     return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
-def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False, bits: int = 4):
+def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False, bits: int = 4,
+                       shared_mask: bool = False):
     """The tokens top-k / top-p / min-p keep, without a sort and without a runtime branch: the same rule as
     `_keep_sorted` over the order (value descending, id ascending). A token is kept iff the tokens before it in that
     order number fewer than top_k and weigh less than top_p; that holds for a prefix of the order, so it is found as
     the smallest value whose first token is kept, on the values' uint32 keys `bits` bits at a time (32 / bits rounds,
-    each one [B, 2^bits - 1, V] masked count and sum); ties at that value are resolved in id order by an exclusive
-    prefix sum. `bits` trades rounds for work per round (GPU cost: benchmarks/bench_sampler.py)."""
+    each testing 2^bits - 1 candidate digits by a masked count and sum over the row); ties at that value are resolved
+    in id order by an exclusive prefix sum. `bits` trades rounds for work per round.
+
+    The count and the sum each get their own compare: XLA:GPU then fuses both into one reduction pass over the row.
+    With one mask feeding both (`shared_mask=True`, kept for the benchmark) it writes the [B, 2^bits - 1, V] mask
+    to memory every round and reads it back twice (GPU cost of each: benchmarks/bench_sampler.py)."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     B, V = scaled_BV.shape
     p = jnp.exp(scaled_BV - lse_B1)
     u = _order_u32(scaled_BV)
-    if materialize:                      # computed once, not again inside each round's [B, 15, V] reduction
+    if materialize:                      # computed once, not again inside each round's reductions
         p, u = jax.lax.optimization_barrier((p, u))
     k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V).astype(jnp.int32)
 
     def dropped(v_BD):                   # is the first token of value v (in id order) dropped? monotone: falls with v
-        above = u[:, None, :] > v_BD[:, :, None]
-        n = jnp.sum(above, axis=-1, dtype=jnp.int32)
-        m = jnp.sum(jnp.where(above, p[:, None, :], 0.0), axis=-1)
+        u_B1V, v_BD1 = u[:, None, :], v_BD[:, :, None]
+        n = jnp.sum(u_B1V > v_BD1, axis=-1, dtype=jnp.int32)
+        m = jnp.sum(jnp.where((u_B1V > v_BD1) if shared_mask else (v_BD1 < u_B1V), p[:, None, :], 0.0), axis=-1)
         return (n >= k[:, None]) | (m >= top_p_B[:, None])
     # the largest v whose first token is dropped (v = 0 is: all V tokens lie above it), built from the top digit down
     last = jnp.zeros((B,), jnp.uint32)

@@ -88,11 +88,13 @@ def test_sampler_bench_times_every_variant_and_the_sampler_keeps_the_reference_s
     lg = rng.standard_normal((2, 512)).astype(np.float32) * 3
     x = lg / 0.7
     lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) + x.max(-1, keepdims=True)
-    for mat, bits, top_k, top_p, min_p in [(False, 4, 0, 0.9, 0.0), (True, 4, 0, 0.9, 0.0), (False, 1, 7, 0.95, 0.0),
-                                           (False, 2, 0, 0.5, 0.05), (False, 8, 40, 0.99, 0.0)]:
+    for mat, shared, bits, top_k, top_p, min_p in [
+            (False, False, 4, 0, 0.9, 0.0), (True, False, 4, 0, 0.9, 0.0), (False, True, 4, 0, 0.9, 0.0),
+            (False, False, 1, 7, 0.95, 0.0), (False, False, 2, 0, 0.5, 0.05), (False, False, 8, 40, 0.99, 0.0)]:
         keep = np.asarray(sampling._keep_by_threshold(
             jnp.asarray(x), jnp.asarray(lse, jnp.float32), jnp.full(2, top_k, jnp.int32),
-            jnp.full(2, top_p, jnp.float32), jnp.full(2, min_p, jnp.float32), materialize=mat, bits=bits))
+            jnp.full(2, top_p, jnp.float32), jnp.full(2, min_p, jnp.float32), materialize=mat, bits=bits,
+            shared_mask=shared))
         for b in range(2):
             want = sampling.keep_mask_numpy(lg[b], 0.7, top_k, top_p, min_p)
-            assert (keep[b] == want).all(), (mat, bits, b)
+            assert (keep[b] == want).all(), (mat, shared, bits, b)

@@ -303,7 +303,8 @@ def tbjax_worker(args) -> None:
 
     def one_pass(llm, label) -> dict:
         st = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "steps_with_prefill": 0, "bucket_tokens": 0,
-              "max_step_tokens": 0}
+              "max_step_tokens": 0, "prefill_steps_s": 0.0, "decode_steps_s": 0.0}
+        last = [None, None]              # (time, kind) of the previous scheduled step
         sched = llm.engine.scheduler
         orig = sched.schedule
         buckets = llm.engine.runner.buckets
@@ -319,6 +320,12 @@ def tbjax_worker(args) -> None:
                 st["steps_with_prefill"] += n > dec
                 st["bucket_tokens"] += next((x for x in buckets if x >= n), n)
                 st["max_step_tokens"] = max(st["max_step_tokens"], n)
+                # wall time from one step's scheduling to the next one's, by the kind of step: with overlapped
+                # scheduling that is the step's device time once the pipeline is full
+                now = time.perf_counter()
+                if last[0] is not None:
+                    st[last[1]] += now - last[0]
+                last[:] = [now, "prefill_steps_s" if n > dec else "decode_steps_s"]
             return b
         sched.schedule = schedule
         ps = prompts()
@@ -330,6 +337,8 @@ def tbjax_worker(args) -> None:
         finally:
             sched.schedule = orig
         wall = time.perf_counter() - t
+        if last[0] is not None:
+            st[last[1]] += t + wall - last[0]
         n_out = sum(len(o.token_ids) for o in outs)
         r = {"pass": label, "wall_s": wall, "output_tokens": n_out, "out_tok_s": n_out / wall,
              "total_tok_s": (n_out + B * P) / wall, "engine_steps": llm.engine.num_steps - s0, **st,
@@ -556,6 +565,11 @@ def table(res: dict) -> str:
             lines.append(f"tbjax {v['variant']}: steady {v['steady_out_tok_s']:.0f} out tok/s, floor/wall "
                          f"{fmt(v.get('floor_fraction'), 3)} (goal >= 0.70), vs transformers "
                          f"{fmt(v.get('vs_transformers'), 2)} (goal >= 3)")
+            p = _steady(v)[-1]
+            if "prefill_steps_s" in p:
+                lines.append(f"  last steady pass: steps with prefill {p['prefill_steps_s']:.2f} s (floor's prefill "
+                             f"{fmt(f.get('prefill_s'), 2)} s), decode-only steps {p['decode_steps_s']:.2f} s "
+                             f"(floor's decode {fmt(f.get('decode_s'), 2)} s)")
     for s in res.get("skipped", []):
         lines.append(f"skipped: {s}")
     return "\n".join(lines)

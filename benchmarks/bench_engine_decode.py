@@ -411,12 +411,14 @@ def jax_worker(args) -> dict:
                 for i in range(B):
                     ids = [int(x) for x in rng.integers(0, spec.vocab_size, e2e_prompt)]
                     engine.add_request(f"e2e-{mode}-{i}", ids, sp)
-                steps, hs = [], [dict(engine.host_seconds)]
+                def host():              # Engine.step's phases, and launch's parts (ModelRunner.launch_seconds)
+                    return {**engine.host_seconds, **{f"launch.{k}": v for k, v in runner.launch_seconds.items()}}
+                steps, hs = [], [host()]
                 while engine.has_unfinished():
                     t = time.perf_counter()
                     outs = engine.step()
                     steps.append((time.perf_counter() - t, len(outs)))
-                    hs.append(dict(engine.host_seconds))
+                    hs.append(host())
                     if len(steps) > args.e2e_new_tokens + 8:
                         raise RuntimeError("engine did not finish in the expected number of steps")
                 m = {"step_s": [round(x, 5) for x, _ in steps]}

@@ -373,6 +373,9 @@ class ModelRunner:
         self._post_compiled: dict = {}     # sampling slots U -> compiled sampling program (post_sample)
         self._top_lp_compiled: dict = {}   # sampling slots U -> compiled top-logprobs program (precompile)
         self.ready = False                 # set after precompile(): a later compile is logged as a warning
+        # host seconds of launch() summed over steps: put (inputs to the device), exe (dispatch of the step
+        # program), post (dispatch of the sampling program)
+        self.launch_seconds = dict.fromkeys(("put", "exe", "post"), 0.0)
         self.last_precompile = {"loaded": 0, "compiled": 0}   # programs of the last precompile() by origin
 
     # ---- KV pools -------------------------------------------------------------------------------------------
@@ -658,8 +661,10 @@ class ModelRunner:
             # work of overlapped scheduling still overlaps the previous step, only the launch waits.
             jax.block_until_ready((self.caches, prev_M))
         b = inp.num_tokens
+        t0 = time.perf_counter()
         ints = jax.device_put(ints, self._rank_sharding)
         floats = jax.device_put(floats, self._rank_sharding)
+        t1 = time.perf_counter()
         args = (self.params, self.caches, ints, floats, prev_M)
         if self.spec_role is not None:
             if qbuf is None:
@@ -669,10 +674,15 @@ class ModelRunner:
         if exe is None:
             exe = self._shared_or_compile(b)
         out, self.caches = exe(*args)
+        t2 = time.perf_counter()
         if self.post_sample and np.any(inp.temperature_S > 0):
             out = dict(out)
             out["tokens"], out["tokens_M"] = self._post_exe(inp.temperature_S.shape[1])(
                 out["logits"], out["tokens"], out["tokens_M"], out["smp_f"], out["smp_i"])
+        ls = self.launch_seconds
+        ls["put"] += t1 - t0
+        ls["exe"] += t2 - t1
+        ls["post"] += time.perf_counter() - t2
         return out
 
     def _post_exe(self, U: int):

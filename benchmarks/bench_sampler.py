@@ -69,7 +69,7 @@ def variants():
     out = {"current": current, "greedy_logsoftmax": greedy_only, "argmax": argmax_only,
            "keep_threshold": keep_threshold, "keep_threshold_mat": keep_threshold_mat, "gumbel": gumbel_only,
            "top64": top64, "top20_logprobs": top20}
-    for bits in (1, 2, 8):
+    for bits in (1, 2, 4, 8):
         out[f"keep_threshold_b{bits}"] = keep_threshold_bits(bits)
     out["keep_threshold_shared"] = keep_threshold_bits(4, shared_mask=True)   # one mask for count and sum
     return out

@@ -6,8 +6,8 @@ mask, and the sampler then cost 8.4 ms at B = 256 on an H100 instead of about a 
 
     PYTHONPATH=/tmp/cuda12plugin JAX_PLATFORMS=cpu python scripts/gpu_hlo_sampler.py --batch 256 [--what keep-shared]
 
-Prints a table, then one JSON line: {"batch", "vocab", "fusions", "written_bytes", "largest": [{name, bytes,
-shape}, ...]} (used by tests/engine/test_sampling.py).
+Prints a table, then one JSON line: {"batch", "vocab", "what", "fusions", "written_bytes", "largest_array_elements",
+"largest": [{name, op, bytes, max_elements, shape}, ...]} (used by tests/engine/test_sampling.py).
 """
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ def written(entry_lines: list[str]) -> list[dict]:
         if not m or m.group(3) in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
             continue
         arrays = _ARRAY.findall(m.group(2))
-        n = 0
+        n, most = 0, 0
         for dt, dims in arrays:
             size = 1
             for d in filter(None, dims.split(",")):
                 size *= int(d)
             n += _BYTES[dt] * size
-        out.append({"name": m.group(1), "op": m.group(3), "bytes": n,
+            most = max(most, size)
+        out.append({"name": m.group(1), "op": m.group(3), "bytes": n, "max_elements": most,
                     "shape": ", ".join(f"{dt}[{dims}]" for dt, dims in arrays)})
     return sorted(out, key=lambda r: -r["bytes"])
 
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     rows = written(entry)
     res = {"batch": B, "vocab": V, "what": a.what,
            "fusions": sum(r["op"] == "fusion" for r in rows), "written_bytes": sum(r["bytes"] for r in rows),
+           "largest_array_elements": max((r["max_elements"] for r in rows), default=0),
            "largest": rows[:12]}
     if not a.quiet:
         print("| MB written | op | instruction | outputs |\n|---|---|---|---|")

@@ -146,7 +146,7 @@ def _order_u32(x):
     return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
-def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False, bits: int = 4,
+def _keep_by_threshold(scaled_BV, lse_B1, top_k_B, top_p_B, min_p_B, materialize: bool = False, bits: int = 2,
                        shared_mask: bool = False):
     """The tokens top-k / top-p / min-p keep, without a sort and without a runtime branch: the same rule as
     `_keep_sorted` over the order (value descending, id ascending). A token is kept iff the tokens before it in that

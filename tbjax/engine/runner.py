@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 
@@ -504,57 +505,91 @@ class ModelRunner:
         that stores the distribution its token is drawn from."""
         G = self.page_size
         norm = [e if len(e) == 4 else (0, *e) for e in entries]
-        R = self.num_ranks
-        per_rank_tokens = [0] * R
-        for r, ids, _, _ in norm:
+        R, n = self.num_ranks, len(norm)
+        ranks = [e[0] for e in norm]
+        for r in ranks:
             if not 0 <= r < R:
                 raise ValueError(f"entry on dp rank {r}, the mesh has {R}")
-            per_rank_tokens[r] += len(ids)
+        ks = [len(e[1]) for e in norm]
+        per_rank_tokens = [0] * R
+        for r, k in zip(ranks, ks):
+            per_rank_tokens[r] += k
         T = self._bucket_for(max(max(per_rank_tokens), 1))
         inp = self._empty_inputs(T)
         S = inp.kv_lens_S.shape[1]
         U = inp.sample_rows_S.shape[1]
+        if n == 0:
+            return inp
+        # each entry's sequence slot s, first token t and first sampling row u within its rank (plain ints)
+        nrs = [1 if verify is None or verify[i] is None else ks[i] for i in range(n)]
         t_of, s_of, u_of = [0] * R, [0] * R, [0] * R
-        for n, ((r, ids, start, bt), smp) in enumerate(zip(norm, sampling)):
+        ss, ts, us = [0] * n, [0] * n, [0] * n
+        for i in range(n):
+            r = ranks[i]
             s, t, u = s_of[r], t_of[r], u_of[r]
             if s >= S:
                 raise ValueError(f"dp rank {r}: more than {S} sequences in a step of {T} tokens")
-            k = len(ids)
-            if len(bt) > self.max_pages:
-                raise ValueError(f"block table of {len(bt)} pages is wider than max_pages_per_seq={self.max_pages}")
-            bt_arr = np.asarray(bt, np.int32)
-            pos = np.arange(start, start + k, dtype=np.int32)
-            inp.tokens_T[r, t:t + k] = ids
-            inp.positions_T[r, t:t + k] = pos
-            inp.slots_T[r, t:t + k] = bt_arr[pos // G] * G + pos % G
-            inp.block_tables_SP[r, s, :len(bt)] = bt_arr
-            inp.kv_lens_S[r, s] = start + k
-            inp.cu_q_lens_S1[r, s + 1] = t + k
-            vq = None if verify is None else verify[n]
-            nr = 1 if vq is None else k
-            if vq is not None and len(vq) != k - 1:
-                raise ValueError(f"entry {n}: {len(vq)} draft rows for {k - 1} drafted tokens")
-            if u + nr > U:
+            if len(norm[i][3]) > self.max_pages:
+                raise ValueError(f"block table of {len(norm[i][3])} pages is wider than "
+                                 f"max_pages_per_seq={self.max_pages}")
+            if verify is not None and verify[i] is not None and len(verify[i]) != ks[i] - 1:
+                raise ValueError(f"entry {i}: {len(verify[i])} draft rows for {ks[i] - 1} drafted tokens")
+            if u + nrs[i] > U:
                 raise ValueError(f"dp rank {r}: more than {U} sampling rows in a step of {T} tokens")
-            pos0 = start + k if sample_pos is None or sample_pos[n] is None else int(sample_pos[n])
-            rows = slice(u, u + nr)
-            inp.sample_rows_S[r, rows] = np.arange(t + k - nr, t + k)
-            inp.sample_pos_S[r, rows] = np.arange(pos0 - nr + 1, pos0 + 1)
-            for arr, v in zip((inp.temperature_S, inp.top_k_S, inp.top_p_S, inp.min_p_S, inp.seed_S), smp):
-                arr[r, rows] = v
-            if vq is not None:
-                inp.draft_tok_S[r, u:u + nr - 1] = ids[1:]
-                inp.q_row_S[r, u:u + nr - 1] = vq
-            if q_dst is not None:
-                inp.q_row_S[r, u] = q_dst[n]
-            if prev_rows is not None and prev_rows[n] >= 0:
-                if k != 1:
-                    raise ValueError(f"entry {n} takes its token from the previous step but has {k} tokens")
-                inp.src_T[r, t] = prev_rows[n]
-            inp.rows.append(r * U + u)
-            inp.local_rows.append(u)
-            inp.n_rows.append(nr)
-            s_of[r], t_of[r], u_of[r] = s + 1, t + k, u + nr
+            if prev_rows is not None and prev_rows[i] >= 0 and ks[i] != 1:
+                raise ValueError(f"entry {i} takes its token from the previous step but has {ks[i]} tokens")
+            ss[i], ts[i], us[i] = s, t, u
+            s_of[r], t_of[r], u_of[r] = s + 1, t + ks[i], u + nrs[i]
+        # the same, vectorized over every token / block-table cell / sampling row of the step
+        rk = np.asarray(ranks, np.int64)
+        k_a, s_a, t_a, u_a = (np.asarray(x, np.int64) for x in (ks, ss, ts, us))
+        start = np.fromiter((e[2] for e in norm), np.int64, n)
+        within = np.arange(int(k_a.sum()), dtype=np.int64) - np.repeat(np.cumsum(k_a) - k_a, k_a)
+        tok_r, tok_t = np.repeat(rk, k_a), np.repeat(t_a, k_a) + within
+        pos = np.repeat(start, k_a) + within
+        inp.tokens_T[tok_r, tok_t] = np.fromiter(itertools.chain.from_iterable(e[1] for e in norm), np.int64,
+                                                 len(pos))
+        inp.positions_T[tok_r, tok_t] = pos
+        bt_len = np.fromiter((len(e[3]) for e in norm), np.int64, n)
+        bt_flat = np.fromiter(itertools.chain.from_iterable(e[3] for e in norm), np.int64, int(bt_len.sum()))
+        bt_off = np.cumsum(bt_len) - bt_len
+        page = pos // G
+        short = page >= np.repeat(bt_len, k_a)
+        if short.any():
+            i = int(np.repeat(np.arange(n), k_a)[np.argmax(short)])
+            raise ValueError(f"entry {i}: position {int(pos[np.argmax(short)])} lies past its block table of "
+                             f"{int(bt_len[i])} pages of {G} tokens")
+        inp.slots_T[tok_r, tok_t] = bt_flat[np.repeat(bt_off, k_a) + page] * G + pos % G
+        cell = np.arange(len(bt_flat), dtype=np.int64) - np.repeat(bt_off, bt_len)
+        inp.block_tables_SP[np.repeat(rk, bt_len), np.repeat(s_a, bt_len), cell] = bt_flat
+        inp.kv_lens_S[rk, s_a] = start + k_a
+        inp.cu_q_lens_S1[rk, s_a + 1] = t_a + k_a
+        nr_a = np.asarray(nrs, np.int64)
+        row_in = np.arange(int(nr_a.sum()), dtype=np.int64) - np.repeat(np.cumsum(nr_a) - nr_a, nr_a)
+        row_r, row_u = np.repeat(rk, nr_a), np.repeat(u_a, nr_a) + row_in
+        pos0 = start + k_a
+        if sample_pos is not None:
+            pos0 = np.asarray([p0 if sp is None else int(sp) for p0, sp in zip(pos0.tolist(), sample_pos)],
+                              np.int64)
+        inp.sample_rows_S[row_r, row_u] = np.repeat(t_a + k_a - nr_a, nr_a) + row_in
+        inp.sample_pos_S[row_r, row_u] = np.repeat(pos0 - nr_a + 1, nr_a) + row_in
+        for j, arr in enumerate((inp.temperature_S, inp.top_k_S, inp.top_p_S, inp.min_p_S, inp.seed_S)):
+            arr[row_r, row_u] = np.repeat(np.asarray([smp[j] for smp in sampling], arr.dtype), nr_a)
+        if verify is not None:
+            for i, vq in enumerate(verify):
+                if vq is not None:
+                    r, u, nr = ranks[i], us[i], nrs[i]
+                    inp.draft_tok_S[r, u:u + nr - 1] = norm[i][1][1:]
+                    inp.q_row_S[r, u:u + nr - 1] = vq
+        if q_dst is not None:
+            inp.q_row_S[rk, u_a] = np.asarray(q_dst, np.int64)
+        if prev_rows is not None:
+            pr = np.asarray(prev_rows, np.int64)
+            take = pr >= 0
+            inp.src_T[rk[take], t_a[take]] = pr[take]
+        inp.rows = (rk * U + u_a).tolist()
+        inp.local_rows = list(us)
+        inp.n_rows = nrs
         for r in range(R):              # padding sequences: empty (cu stays at the rank's token count)
             inp.cu_q_lens_S1[r, s_of[r] + 1:] = t_of[r]
         return inp

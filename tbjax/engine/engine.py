@@ -29,7 +29,7 @@ from typing import Hashable
 import jax
 
 from pallas_kernels.utils import is_int
-from tbjax.engine.detokenize import IncrementalText
+from tbjax.engine.detokenize import IncrementalText, StreamText, incremental_text
 from tbjax.engine.kv_cache import KVCacheConfig, auto_num_pages, pages_for_budget
 from tbjax.engine.kv_pages import gather_pages, gather_pages_stacked, scatter_pages, scatter_pages_stacked
 from tbjax.engine.request import FinishReason, Sequence
@@ -151,7 +151,7 @@ class _ReqState:
     params: SamplingParams
     seed: int
     text: str = ""                        # text emitted so far (stop strings excluded)
-    detok: IncrementalText | None = None  # the output's text, decoded a few tokens per step
+    detok: IncrementalText | StreamText | None = None  # the output's text, decoded a few tokens per step
     out_ids: list = dataclasses.field(default_factory=list)   # output token ids so far
     arrival: float = 0.0
     first_token_time: float | None = None
@@ -243,7 +243,7 @@ class Engine:
     def _add_state(self, request_id, params) -> _ReqState:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         st = self._reqs[request_id] = _ReqState(params, seed & 0xFFFFFFFF, arrival=time.monotonic())
-        st.detok = IncrementalText(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        st.detok = incremental_text(self.tokenizer)
         return st
 
     def abort(self, request_id: Hashable) -> bool:

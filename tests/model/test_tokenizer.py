@@ -50,13 +50,16 @@ def test_tokenizer_from_dir_and_errors(tmp_path, smollm_f32):
         TextTokenizer.from_dir(str(bad))
 
 
-def test_incremental_text_equals_full_decode(smollm_f32):
-    """IncrementalText (a few tokens decoded per step) against tokenizers' full decode of the whole output: every
-    step's text is the complete-UTF-8 prefix of the full decode, and the final text is the full decode. Outputs mix
-    ASCII, multi-byte characters split over byte-level tokens, random ids and special tokens."""
+@pytest.mark.parametrize("kind", ["window", "stream"])
+def test_incremental_text_equals_full_decode(smollm_f32, kind):
+    """IncrementalText (a few tokens decoded per step) and StreamText (tokenizers' DecodeStream, the engine's choice)
+    against tokenizers' full decode of the whole output: every step's text is the complete-UTF-8 prefix of the full
+    decode, and the final text is the full decode. Outputs mix ASCII, multi-byte characters split over byte-level
+    tokens, random ids and special tokens."""
     import numpy as np
-    from tbjax.engine.detokenize import IncrementalText
+    from tbjax.engine.detokenize import IncrementalText, StreamText, incremental_text
     tok = smollm_f32[2]
+    assert isinstance(incremental_text(tok), StreamText)
     dec = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     rng = np.random.default_rng(0)
     texts = ["Hello, world! ", "naïve café — 東京 🚀🚀 ", "  leading spaces\nand\ttabs ", "ÀÉÎÕÜ ß ∑∫ 😀 "]
@@ -70,7 +73,7 @@ def test_incremental_text_equals_full_decode(smollm_f32):
                 ids += [int(x) for x in rng.integers(0, 49152, rng.integers(1, 6))]
             else:
                 ids += [0, 2]                                   # special tokens, skipped in the text
-        it = IncrementalText(dec)
+        it = IncrementalText(dec) if kind == "window" else StreamText(tok)
         for n in range(1, len(ids) + 1):
             got = it.update(ids[:n], final=n == len(ids))
             full = dec(ids[:n])
@@ -78,3 +81,13 @@ def test_incremental_text_equals_full_decode(smollm_f32):
             if not full.endswith("\ufffd"):
                 assert got == full, (trial, n)
         assert it.text == dec(ids)
+
+
+def test_stream_text_names_ids_outside_the_vocabulary(smollm_f32):
+    """A sampled id the tokenizer does not have (a model whose embedding is padded past it) is an error naming it."""
+    from tbjax.engine.detokenize import StreamText
+    tok = smollm_f32[2]
+    st = StreamText(tok)
+    st.update(tok.encode("Hi", add_special_tokens=False))
+    with pytest.raises(TokenizerError, match=str(tok.vocab_size + 3)):
+        st.update(tok.encode("Hi", add_special_tokens=False) + [tok.vocab_size + 3])

@@ -66,9 +66,11 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def profile_steps(step_fn, n: int, top: int = 30) -> dict:
-    """Device-side breakdown of n queued steps from a jax.profiler trace: per device-plane line (CUDA streams, XLA
-    op/module lines), the total time per step and the top events (kernels) by time per step."""
+def profile_steps(step_fn, n: int, top: int = 30, planes: str = "/device:") -> dict:
+    """Breakdown of n steps from a jax.profiler trace: per line of the planes whose name starts with `planes`
+    ("/device:": CUDA streams and XLA op/module lines, the kernels; "/host:": the host threads, whose TraceMe events
+    nest, so a parent's time includes its children's), the total time per step and the top events by time per
+    step."""
     import glob
     import tempfile
 
@@ -87,7 +89,7 @@ def profile_steps(step_fn, n: int, top: int = 30) -> dict:
     pdata = ProfileData.from_file(files[0])
     out = {"steps": n, "lines": []}
     for plane in pdata.planes:
-        if not plane.name.startswith("/device:"):
+        if not plane.name.startswith(planes):
             continue
         for line in plane.lines:
             agg: dict = {}
@@ -334,6 +336,12 @@ def jax_worker(args) -> dict:
                 v["profile"] = profile_steps(dstep, args.profile_steps)
             except Exception as e:  # noqa: BLE001
                 v["profile"] = {"error": repr(e)[:1000]}
+        if args.host_profile and (B, ctx) in _parse_shapes(args.host_profile):
+            try:                         # the host's share of one step at a time: where the dispatch goes
+                v["host_profile"] = profile_steps(lambda: jax.block_until_ready((dstep(), r.caches)),
+                                                  args.profile_steps, top=40, planes="/host:")
+            except Exception as e:  # noqa: BLE001
+                v["host_profile"] = {"error": repr(e)[:1000]}
         return v, inp, toks
 
     def other_runner(impl):
@@ -699,6 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--matmul-impl", default="auto", help="decode projections: auto (kernel on GPU) | xla | kernel")
     ap.add_argument("--compare-matmul", default="32:1024", help="shapes also run with the other matmul impl")
     ap.add_argument("--profile", default="32:1024", help="shapes whose decode step is profiled (kernel breakdown)")
+    ap.add_argument("--host-profile", default="", help="shapes whose sync decode step's host threads are profiled")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)

@@ -61,8 +61,9 @@ TOP_LOGPROBS = 20
 # into per-layer buffers (tbjax/model/params.py split_layer_buffers: identical per-layer fusions, compiled once);
 # "auto" = split on GPU.
 LAYER_BUFFERS = ("auto", "stacked", "split")
-# Token buckets: every power of two up to DENSE_UP_TO (decode batches), then every fourth power of two, and the
-# budget itself. Few programs (<= ~12 for budgets up to 16k) and little padding where decode lives.
+# Token buckets: every power of two up to the largest decode batch (max_num_seqs, at least DENSE_UP_TO), then every
+# fourth power of two, and the budget itself. Few programs (<= ~12 for budgets up to 16k) and at most 2x padding
+# where decode lives (a 128-row decode in a 256-token bucket ran its GEMMs on twice the rows).
 DENSE_UP_TO = 64
 # XLA:GPU command buffers (CUDA graphs) for the step programs when EngineConfig.command_buffers is "auto". Off: on
 # the H200 the Llama-8B decode step was faster without them at 32 x 1k, 64 x 8k and 1 x 1k in two separate calls
@@ -71,14 +72,16 @@ GPU_COMMAND_BUFFERS = False
 COMMAND_BUFFERS = ("auto", "on", "off")
 
 
-def token_buckets(max_tokens: int, min_tokens: int = 1) -> tuple[int, ...]:
-    """The step's token buckets for a budget of `max_tokens` tokens per rank (sorted, the last one == max_tokens)."""
+def token_buckets(max_tokens: int, min_tokens: int = 1, dense_up_to: int = DENSE_UP_TO) -> tuple[int, ...]:
+    """The step's token buckets for a budget of `max_tokens` tokens per rank (sorted, the last one == max_tokens):
+    powers of two times `min_tokens` below `dense_up_to` (at least DENSE_UP_TO), then every fourth one."""
     if max_tokens < 1 or min_tokens < 1:
         raise ValueError(f"token budget and minimum bucket must be >= 1, got {max_tokens}, {min_tokens}")
+    dense = max(dense_up_to, DENSE_UP_TO)
     out, b = [], min_tokens
     while b < max_tokens:
         out.append(b)
-        b *= 2 if b < DENSE_UP_TO else 4
+        b *= 2 if b < dense else 4
     out.append(max_tokens)
     return tuple(out)
 
@@ -354,7 +357,7 @@ class ModelRunner:
             raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
         self.deterministic = deterministic
         budget = max(max_num_batched_tokens, self.min_seqs)
-        self.buckets = (budget,) if deterministic else token_buckets(budget, self.min_seqs)
+        self.buckets = (budget,) if deterministic else token_buckets(budget, self.min_seqs, max_num_seqs)
         self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
         self.max_samples = self.samples_for(self.buckets[-1])       # M: sampling slots of the largest bucket
         self.q_rows = self.max_num_seqs * self.spec_tokens         # draft-distribution rows per rank (speculative)

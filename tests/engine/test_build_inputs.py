@@ -143,3 +143,15 @@ def test_build_inputs_refuses_bad_entries_with_their_reason():
         runner.build_inputs([ok], [smp], [0])
     with pytest.raises(ValueError, match="draft rows"):
         runner.build_inputs([ok], [smp], verify=[[1, 2]])
+
+
+@pytest.mark.parametrize("budget, max_seqs", [(512, 32), (512, 256), (16384, 256), (16384, 1024), (2048, 8)])
+def test_token_buckets_pad_decodes_at_most_twice_and_stay_few(budget, max_seqs):
+    """Every decode batch up to max_num_seqs lands in a bucket at most twice its rows (a 128-row decode once ran in
+    the 256-token bucket); every step of up to `budget` tokens has a bucket; at most 12 programs up to 16k tokens."""
+    from tbjax.engine.runner import token_buckets
+    b = token_buckets(budget, 1, max_seqs)
+    assert list(b) == sorted(set(b)) and b[-1] == budget
+    for n in range(1, min(max_seqs, budget) + 1):
+        assert next(x for x in b if x >= n) <= 2 * n, (n, b)
+    assert len(b) <= (12 if max_seqs <= 256 else 14), b

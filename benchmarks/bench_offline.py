@@ -331,6 +331,8 @@ def tbjax_worker(args) -> None:
         ps = prompts()
         n_prog, c0 = llm.engine.runner.num_compiled, sum(compile_s.values())
         s0 = llm.engine.num_steps
+        h0 = dict(llm.engine.host_seconds)
+        l0 = dict(llm.engine.runner.launch_seconds)
         t = time.perf_counter()
         try:
             outs = llm.generate(ps, sp)
@@ -348,6 +350,12 @@ def tbjax_worker(args) -> None:
              "all_full_length": all(len(o.token_ids) == N for o in outs),
              "finish_reasons": sorted({str(o.finish_reason) for o in outs}),
              "tokens_req0": outs[0].token_ids[:8]}
+        # the engine's host time per step by phase (ms): what the host spent beside the device
+        n_st = max(r["engine_steps"], 1)
+        r["host_ms_per_step"] = {k: round(1e3 * (v - h0.get(k, 0.0)) / n_st, 3)
+                                 for k, v in llm.engine.host_seconds.items()}
+        r["host_ms_per_step"].update({f"launch.{k}": round(1e3 * (v - l0.get(k, 0.0)) / n_st, 3)
+                                      for k, v in llm.engine.runner.launch_seconds.items()})
         return r
 
     t0 = time.perf_counter()
@@ -570,6 +578,8 @@ def table(res: dict) -> str:
                 lines.append(f"  last steady pass: steps with prefill {p['prefill_steps_s']:.2f} s (floor's prefill "
                              f"{fmt(f.get('prefill_s'), 2)} s), decode-only steps {p['decode_steps_s']:.2f} s "
                              f"(floor's decode {fmt(f.get('decode_s'), 2)} s)")
+            if p.get("host_ms_per_step"):
+                lines.append("  host ms/step: " + ", ".join(f"{k} {x:.2f}" for k, x in p["host_ms_per_step"].items()))
     for s in res.get("skipped", []):
         lines.append(f"skipped: {s}")
     return "\n".join(lines)

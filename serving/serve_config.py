@@ -147,7 +147,7 @@ class ServeConfig:
     # engine (the defaults shown are tbjax.engine.EngineConfig's: the engine decides what is not given)
     max_num_seqs: int | None = _s(None, "sequences in one engine step", "engine", shown=str(_ENGINE.max_num_seqs))
     max_num_batched_tokens: int | None = _s(None, "tokens in one engine step (prefill chunk size)", "engine",
-                                            shown=str(_ENGINE.max_num_batched_tokens))
+                                            shown="16384 on GPU / TPU, 512 on CPU (at least --max-num-seqs)")
     num_pages: int | None = _s(None, "KV pages", "engine", shown="sized from free memory")
     page_size: int | None = _s(None, "tokens per KV page", "engine", shown=str(_ENGINE.page_size))
     max_model_len: int | None = _s(None, "longest sequence (prompt + output) in tokens", "engine",

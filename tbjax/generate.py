@@ -30,7 +30,8 @@ def main(argv=None) -> int:
                     help="resident weight format: auto = the checkpoint's own quantization (default unless --dtype is "
                          "given), bf16/float32 = dequantized at load, int8/int4/fp8 = converted at load")
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step (default: 16384 on GPU / TPU, 512 on CPU)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from free device memory)")
     ap.add_argument("--kv-dtype", default="auto", help="auto (= weights dtype), bfloat16, float8_e4m3fn, float8_e5m2")
     args = ap.parse_args(argv)

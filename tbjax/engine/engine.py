@@ -52,7 +52,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None     # KV memory budget per dp rank (pages = budget / page bytes)
     kv_dtype: str = "auto"                # "auto" => the weights' dtype; or bfloat16 / float8_e4m3fn / float8_e5m2
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    # tokens per step (the prefill chunk): None => default_max_num_batched_tokens (16384 on GPU / TPU, 512 on CPU)
+    max_num_batched_tokens: int | None = None
     max_prefill_chunk: int | None = None
     max_model_len: int | None = None      # None => the model's max_position
     enable_prefix_caching: bool = True
@@ -84,6 +85,23 @@ class EngineConfig:
     # Sampled rows drawn by a small program after the step (only on steps that have one) instead of inside it, so
     # that greedy steps never pay for the top-k / top-p / min-p filters: None = on GPU (runner `post_sample`)
     post_sample: bool | None = None
+    # Decode-only steps of buckets above 64 tokens (up to max_num_seqs) run a program of their own with one attention
+    # kernel per layer (runner `decode_programs`): None = where the attention runs kernels (GPU / TPU)
+    decode_programs: bool | None = None
+
+
+# Tokens per step when EngineConfig.max_num_batched_tokens is None. GPU / TPU: 16384 (H100, Llama-8B shapes, 128
+# requests x (512 + 256): 7126 out tok/s at 16384, 6851 at 4096, 6432 at 512, same call; benchmarks/RESULTS.md
+# session 16); a larger chunk stalls running streams for one longer step. CPU: 512 (a step there is compute-bound at
+# a few hundred tokens).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512}
+ACCELERATOR_MAX_NUM_BATCHED_TOKENS = 16384
+
+
+def default_max_num_batched_tokens(max_num_seqs: int, platform: str | None = None) -> int:
+    """The step budget used when none is given: per platform, at least max_num_seqs."""
+    platform = platform or jax.default_backend()
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS.get(platform, ACCELERATOR_MAX_NUM_BATCHED_TOKENS), max_num_seqs)
 
 
 @dataclasses.dataclass
@@ -168,6 +186,10 @@ class Engine:
         if config.kv_dtype == "auto":
             config = dataclasses.replace(config, kv_dtype=params_dtype(params))   # quantized weights: their compute dtype
             self.config = config
+        if config.max_num_batched_tokens is None:
+            config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
+                config.max_num_seqs))
+            self.config = config
         self.max_model_len = max_len
         max_pages_per_seq = -(-max_len // config.page_size)
         spec_cfg = SpeculativeConfig.parse(config.speculative)
@@ -184,6 +206,7 @@ class Engine:
                                   matmul_impl=config.matmul_impl, layer_buffers=config.layer_buffers,
                                   fold_norms=config.fold_norms, command_buffers=config.command_buffers,
                                   deterministic=config.deterministic, post_sample=config.post_sample,
+                                  decode_programs=config.decode_programs,
                                   spec_role="target" if spec_cfg else None,
                                   spec_tokens=spec_cfg.num_tokens if spec_cfg else 0)
         # the draft (its weights, ring pools, distribution buffer) is placed before the target's KV is sized, so
@@ -327,7 +350,7 @@ class Engine:
         # programs taken ready-made (the saved program cache, or another engine of this process) vs compiled here
         loaded = sum(r.last_precompile["loaded"] for r in runners)
         compiled = sum(r.last_precompile["compiled"] for r in runners)
-        return {"programs": sum(len(r.buckets) for r in runners),
+        return {"programs": sum(len(r.programs) for r in runners),
                 "programs_total": sum(r.num_programs for r in runners),
                 "new_programs": sum(r.num_compiled for r in runners) - before, "seconds": secs,
                 "loaded": loaded, "compiled": compiled, "kv_pages": self.kv_config.num_pages}

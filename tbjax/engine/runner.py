@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.paged_attention import step_attention, write_kv
 from pallas_kernels.paged_attention.blocked import ragged_attention_blocked
+from pallas_kernels.paged_attention.dispatch import ROWS_AS_DECODES_MAX_T, resolve_impl
 from sharding import rules as sr
 from sharding.mesh import DecodeLayout, MeshMismatch, axes_size
 from tbjax.engine.kv_cache import KVCacheConfig, cache_heads
@@ -110,6 +111,12 @@ class StepInputs:
     draft_tok_S: np.ndarray = None
     q_row_S: np.ndarray = None
     n_rows: list = dataclasses.field(default_factory=list)   # per entry: how many output rows it has
+    decode_only: bool = False             # one token per entry, in a bucket that has a decode program
+
+    @property
+    def program(self) -> tuple[int, bool]:
+        """The step program that runs these inputs: (token bucket, decode program)."""
+        return self.num_tokens, self.decode_only
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +183,7 @@ class _StepStatic:
     spec_role: str | None = None          # speculative decoding: "target" (verifies drafts), "draft", or None
     branchless: bool = False              # no runtime branch in the sampler (GPU: a conditional blocks dispatch)
     rows_as_decodes: bool = False         # every row's attention as a one-query decode (deterministic mode)
+    decode_only: bool = False             # every sequence has one query row (a decode program: one attention kernel)
     post_sample: bool = False             # the step takes the argmax; sampled rows are drawn by `_post_sample`
 
 
@@ -203,7 +211,7 @@ def _body(params, caches, ints, floats, prev_M, qbuf_QV=None, *, layout, st: _St
         pages, scales = write_kv(pages, scales, k, v, inp["slots_T"])
         o = step_attention(q, pages, bt, kv_lens, cu, scale=scale, sliding_window=spec.layer_window(layer),
                            kv_scales_PK=scales, impl=st.attn_impl,
-                           rows_as_decodes_max_t=q.shape[0] if st.rows_as_decodes else None)
+                           rows_as_decodes_max_t=q.shape[0] if st.rows_as_decodes or st.decode_only else None)
         return o, (pages, scales)
     attend.mla_latent = spec.mla is not None     # MLA layers hand over their latent form (one kv head, k == v)
 
@@ -300,7 +308,8 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, attn_impl: str = "auto",
                  matmul_impl: str = "auto", layer_buffers: str = "stacked", fold_norms: bool = False,
                  fp8_scales=None, spec_role: str | None = None, spec_tokens: int = 0, shared_params=None,
-                 command_buffers: str = "auto", deterministic: bool = False, post_sample: bool | None = None):
+                 command_buffers: str = "auto", deterministic: bool = False, post_sample: bool | None = None,
+                 decode_programs: bool | None = None):
         """spec_role (speculative decoding, tbjax/engine/speculative.py): "target" gives every step
         max_num_seqs * (spec_tokens + 1) sampling slots (a verify entry samples each of its rows) and verifies drafts
         against the draft-distribution buffer; "draft" stores each sampled row's distribution there.
@@ -311,7 +320,11 @@ class ModelRunner:
         or how its prompt was chunked (docs/step.md, "Batch invariance").
         post_sample: the step program takes the argmax and a small program per sampling-slot count draws the
         sampled rows, run only on steps that have one (None: on where the sampler is branchless, i.e. on GPU; the
-        speculative roles sample inside the step)."""
+        speculative roles sample inside the step).
+        decode_programs: buckets above ROWS_AS_DECODES_MAX_T up to max_num_seqs' get a second program for steps whose
+        sequences all have one token (decode-only steps): one attention kernel per layer instead of the decode and
+        the ragged kernel plus a select (None: on where the attention runs kernels; off for MLA, speculative roles
+        and deterministic mode, whose steps already run every row as a decode)."""
         if spec_role not in (None, "target", "draft"):
             raise ValueError(f"spec_role must be None, 'target' or 'draft', got {spec_role!r}")
         if post_sample is not None and not isinstance(post_sample, bool):
@@ -359,6 +372,18 @@ class ModelRunner:
         budget = max(max_num_batched_tokens, self.min_seqs)
         self.buckets = (budget,) if deterministic else token_buckets(budget, self.min_seqs, max_num_seqs)
         self.max_seqs = max(self.max_num_seqs, self.min_seqs)     # the largest sequence bucket
+        if decode_programs is not None and not isinstance(decode_programs, bool):
+            raise ValueError(f"decode_programs must be None (auto), True or False, got {decode_programs!r}")
+        if decode_programs is None:
+            decode_programs = resolve_impl(attn_impl) not in ("reference", "blocked")
+        decode_programs = decode_programs and spec.mla is None and spec_role is None and not deterministic
+        # buckets whose decode-only steps run a program of their own (`StepInputs.decode_only`): above
+        # ROWS_AS_DECODES_MAX_T (below it every step runs one attention kernel) up to the one that holds max_num_seqs
+        cap = self._bucket_for(min(self.max_seqs, self.buckets[-1]))
+        self.decode_buckets = tuple(b for b in self.buckets if ROWS_AS_DECODES_MAX_T < b <= cap) \
+            if decode_programs else ()
+        # every step program: (token bucket, decode program)
+        self.programs = tuple((b, False) for b in self.buckets) + tuple((b, True) for b in self.decode_buckets)
         self.max_samples = self.samples_for(self.buckets[-1])       # M: sampling slots of the largest bucket
         self.q_rows = self.max_num_seqs * self.spec_tokens         # draft-distribution rows per rank (speculative)
         self._bax = tuple(self.layout.batch_axes) or None
@@ -366,8 +391,8 @@ class ModelRunner:
         self._no_prev = jax.device_put(np.zeros(self.num_ranks * self.max_samples, np.int32), self._rank_sharding)
         self._wait_before_launch = jax.default_backend() == "cpu"
         self.caches = None
-        self._fns: dict = {}               # bucket -> jitted step
-        self._compiled: dict = {}          # bucket -> executable compiled ahead of use (precompile)
+        self._fns: dict = {}               # (bucket, decode program) -> jitted step
+        self._compiled: dict = {}          # (bucket, decode program) -> executable compiled ahead of use
         self._top_lp = jax.jit(_top_logprobs)
         on_gpu = self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
         self.post_sample = (on_gpu if post_sample is None else bool(post_sample)) and spec_role is None
@@ -430,12 +455,13 @@ class ModelRunner:
             return "gpu"
         return None
 
-    def _fn(self, bucket: int):
-        fn = self._fns.get(bucket)
+    def _fn(self, pid: tuple[int, bool]):
+        """The jitted step program `pid` = (token bucket, decode program)."""
+        fn = self._fns.get(pid)
         if fn is not None:
             return fn
-        st = self._static(bucket)
-        layout = self._layout(bucket)
+        st = self._static(pid)
+        layout = self._layout(pid[0])
         pspecs = sr.match_rules(self.params, mf.mesh_rules(self.plan))
         cspec = jax.tree.map(lambda _: P(self._bax), self.caches)
         rank = P(self._bax)
@@ -453,7 +479,7 @@ class ModelRunner:
             in_specs = (pspecs, cspec, rank, rank, rank, rank)
         smap = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=(outs, cspec), check_vma=False)
         fn = jax.jit(smap, donate_argnums=donate, compiler_options=self._xla_options() or None)
-        self._fns[bucket] = fn
+        self._fns[pid] = fn
         return fn
 
     def _xla_options(self) -> dict:
@@ -466,10 +492,12 @@ class ModelRunner:
                 opts["xla_gpu_enable_command_buffer"] = ""
         return opts
 
-    def _static(self, bucket: int) -> _StepStatic:
+    def _static(self, pid: tuple[int, bool]) -> _StepStatic:
+        bucket, decode_only = pid
         return _StepStatic(self.spec, self.plan, self.attn_impl, self._kernel_impl(bucket), self.spec_role,
                            branchless=self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"),
-                           rows_as_decodes=self.deterministic, post_sample=self.post_sample)
+                           rows_as_decodes=self.deterministic, decode_only=decode_only,
+                           post_sample=self.post_sample)
 
     def _layout(self, bucket: int) -> tuple:
         return self._empty_inputs(bucket).pack()[2]
@@ -590,6 +618,7 @@ class ModelRunner:
             pr = np.asarray(prev_rows, np.int64)
             take = pr >= 0
             inp.src_T[rk[take], t_a[take]] = pr[take]
+        inp.decode_only = T in self.decode_buckets and verify is None and max(ks) == 1
         inp.rows = (rk * U + u_a).tolist()
         inp.local_rows = list(us)
         inp.n_rows = nrs
@@ -620,8 +649,9 @@ class ModelRunner:
         want = {}
         for b in (self.buckets if buckets is None else buckets):
             b = self._bucket_for(b)
-            if b not in self._compiled:
-                want.setdefault(("step", b), None)
+            for pid in ((b, False), (b, True)) if b in self.decode_buckets else ((b, False),):
+                if pid not in self._compiled:
+                    want.setdefault(("step", pid), None)
             U = self.samples_for(b)
             if U not in self._top_lp_compiled:
                 want.setdefault(("lp", U), None)
@@ -666,20 +696,21 @@ class ModelRunner:
         return time.perf_counter() - t
 
     def _lowered(self, kind: str, n: int):
-        """The lowered program of `kind` ("step": bucket n; "lp" / "post": n sampling slots)."""
+        """The lowered program of `kind` ("step": program n = (bucket, decode); "lp" / "post": n sampling slots)."""
         if kind == "step":
-            return self._fn(n).lower(*self._abstract_args(n))
+            return self._fn(n).lower(*self._abstract_args(n[0]))
         if kind == "lp":
             return self._top_lp.lower(*self._top_lp_args(n))
         return self._post.lower(*self._post_args(n))
 
-    def _program_key(self, bucket: int) -> str:
+    def _program_key(self, pid: tuple[int, bool]) -> str:
         from tbjax.engine import program_cache
         dev = self.mesh.devices.flat[0]
+        bucket = pid[0]
         # leaves by path (a tree.map would rebuild QuantizedWeight nodes around tuples)
         args = [(jax.tree_util.keystr(k), tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None)))
                 for k, a in jax.tree_util.tree_flatten_with_path(self._abstract_args(bucket))[0]]
-        st = self._static(bucket)
+        st = self._static(pid)
         return program_cache.program_key("step", bucket, self._layout(bucket), st, dev.platform,
                                          getattr(dev, "device_kind", ""), dict(self.mesh.shape),
                                          [d.id for d in self.mesh.devices.flat],
@@ -698,7 +729,7 @@ class ModelRunner:
             # test runs with steps launched onto pending donated pools segfaulted later inside XLA:CPU; the host
             # work of overlapped scheduling still overlaps the previous step, only the launch waits.
             jax.block_until_ready((self.caches, prev_M))
-        b = inp.num_tokens
+        pid = inp.program
         t0 = time.perf_counter()
         ints = jax.device_put(ints, self._rank_sharding)
         floats = jax.device_put(floats, self._rank_sharding)
@@ -708,9 +739,9 @@ class ModelRunner:
             if qbuf is None:
                 raise ValueError(f"a speculative {self.spec_role} step needs the draft-distribution buffer (qbuf)")
             args += (qbuf,)
-        exe = self._compiled.get(b)
+        exe = self._compiled.get(pid)
         if exe is None:
-            exe = self._shared_or_compile(b)
+            exe = self._shared_or_compile(pid)
         out, self.caches = exe(*args)
         t2 = time.perf_counter()
         if self.post_sample and np.any(inp.temperature_S > 0):
@@ -740,12 +771,14 @@ class ModelRunner:
     def _post_key(self, U: int) -> str:
         return self._small_key(("post_sample", U), self._post_args(U))
 
-    def _shared_or_compile(self, b: int):
-        """The step program of bucket b, from another engine of this process (same key) or compiled now."""
-        exe = self._shared_or(self._program_key(b), lambda: self._fn(b).lower(*self._abstract_args(b)),
-                              "step program for %d tokens per rank (x%d ranks, %d sequence slots, %d pages per "
-                              "sequence)" % (b, self.num_ranks, self.seqs_for(b), self.max_pages))
-        self._compiled[b] = exe
+    def _shared_or_compile(self, pid: tuple[int, bool]):
+        """Step program `pid`, from another engine of this process (same key) or compiled now."""
+        b = pid[0]
+        exe = self._shared_or(self._program_key(pid), lambda: self._fn(pid).lower(*self._abstract_args(b)),
+                              "%sstep program for %d tokens per rank (x%d ranks, %d sequence slots, %d pages per "
+                              "sequence)" % ("decode " if pid[1] else "", b, self.num_ranks, self.seqs_for(b),
+                                             self.max_pages))
+        self._compiled[pid] = exe
         return exe
 
     def _shared_or(self, key: str, lower, what: str):

@@ -2,7 +2,7 @@
 
 `StreamText` (the engine's choice for a `tokenizers` tokenizer) hands each new token to tokenizers'
 `decoders.DecodeStream`, which keeps the window in Rust: one call per token (about 0.7 us on the dev box against
-4 us for the two window decodes below; at 256 sequences per step text was most of the engine's host time).
+4 us for the two window decodes below; at 256 sequences per step text was about a third of the emit time).
 `IncrementalText` does the same with any decode function:
 
 Why this module exists: decoding a request's whole output every step costs O(output length) per step (SmolLM2's

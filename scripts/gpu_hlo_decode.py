@@ -149,10 +149,12 @@ def per_layer(kernels: list[dict], n_layers: int, anchor) -> tuple[list[list[dic
 
 
 def build(layers: int, batch: int, ctx: int, page: int, layer_buffers: str, attn_impl: str, config: str | None,
-          fold: bool = False, weight_dtype: str = "bf16"):
+          fold: bool = False, weight_dtype: str = "bf16", program: str = "decode"):
     """The engine's step program (ModelRunner on a one-GPU sm_90 topology mesh, abstract weights and pools) for the
     token bucket of a decode batch of `batch` sequences: T = bucket(batch) tokens, S = min(T, max_num_seqs = batch)
-    sequence slots, block tables ctx // page wide. Returns (spec, runner, bucket, compiled)."""
+    sequence slots, block tables ctx // page wide. program: "decode" = what a decode-only step of that batch runs
+    (the bucket's decode program where it has one, runner.decode_buckets), "mixed" = the bucket's program for steps
+    with prompt chunks. Returns (spec, runner, bucket, compiled)."""
     from sharding.mesh import DecodeLayout
     from tbjax.spec import ModelSpec
 
@@ -165,7 +167,8 @@ def build(layers: int, batch: int, ctx: int, page: int, layer_buffers: str, attn
                              attn_impl=attn_impl, matmul_impl="auto", layer_buffers=layer_buffers, fold_norms=fold,
                              weight_dtype=weight_dtype)
     bucket = runner._bucket_for(batch)
-    return spec, runner, bucket, compile_bucket(runner, bucket)
+    decode_only = program == "decode" and bucket in runner.decode_buckets
+    return spec, runner, bucket, compile_bucket(runner, bucket, decode_only=decode_only)
 
 
 def analyse(hlo: str, n_layers: int) -> dict:
@@ -252,6 +255,9 @@ def main(argv=None):
                     help="comma-separated <layer buffers>[:folded]; folded = tbjax.model.kinds.fold_norms params")
     ap.add_argument("--attn-impl", default="gpu", help="gpu (the Mosaic GPU kernel) or reference (jnp)")
     ap.add_argument("--config", default=None, help="HF config.json (default: Llama-3.1-8B)")
+    ap.add_argument("--program", default="decode", choices=["decode", "mixed"],
+                    help="decode: what a decode-only step runs (its bucket's decode program where there is one); "
+                         "mixed: the bucket's program for steps with prompt chunks")
     ap.add_argument("--no-thunks", action="store_true", help="skip the thunk-sequence dump (command buffers)")
     ap.add_argument("--dump", default=None, help="write each optimized HLO to <dump>.<variant>.txt")
     ap.add_argument("--json", default=None, help="also write the JSON here")
@@ -276,7 +282,7 @@ def main(argv=None):
     results = []
     for name, lb, fold in variants:
         spec, runner, bucket, compiled = build(a.layers, a.batch, a.ctx, a.page, lb, a.attn_impl, a.config, fold=fold,
-                                               weight_dtype=a.weight_dtype)
+                                               weight_dtype=a.weight_dtype, program=a.program)
         hlo = compiled.as_text()
         if a.dump:
             with open(f"{a.dump}.{name.replace(':', '_')}.txt", "w") as f:
@@ -288,7 +294,8 @@ def main(argv=None):
                  temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes))
         r.update(variant=name, weight_dtype=a.weight_dtype, layer_buffers=lb, folded_norms=fold,
                  attn_impl=a.attn_impl, batch=a.batch, ctx=a.ctx,
-                 n_layers=a.layers, bucket=bucket, sequence_slots=runner.seqs_for(bucket),
+                 n_layers=a.layers, bucket=bucket, sequence_slots=runner.seqs_for(bucket), program=a.program,
+                 decode_program=a.program == "decode" and bucket in runner.decode_buckets,
                  pages_per_seq=runner.max_pages)
         if dump_dir:
             text = _newest_thunks(dump_dir, seen)

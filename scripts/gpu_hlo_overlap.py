@@ -353,9 +353,12 @@ def abstract_runner(spec, mesh, layout, *, kv_pages: int, page_size: int, max_nu
     return runner
 
 
-def compile_bucket(runner, bucket: int, compiler_options: dict | None = None):
-    """The optimized executable of the runner's step program for token bucket `bucket` (`runner._fn(bucket)`)."""
-    return runner._fn(bucket).trace(*runner._abstract_args(bucket)).lower().compile(
+def compile_bucket(runner, bucket: int, compiler_options: dict | None = None, decode_only: bool = False):
+    """The optimized executable of the runner's step program for token bucket `bucket` (`runner._fn((bucket,
+    decode_only))`; decode_only: the bucket's decode program, which only buckets in `runner.decode_buckets` have)."""
+    if decode_only and bucket not in runner.decode_buckets:
+        raise ValueError(f"bucket {bucket} has no decode program (decode buckets: {runner.decode_buckets})")
+    return runner._fn((bucket, decode_only)).trace(*runner._abstract_args(bucket)).lower().compile(
         compiler_options=compiler_options or None)
 
 

@@ -256,3 +256,22 @@ def test_quantized_weights_are_read_in_their_bytes_on_gpu(weight_dtype):
     copies = [k for k in kernels if _elements(k["shape"]) in weight_sizes]
     assert not copies, f"{weight_dtype}: weight-sized kernel outputs (a dequantized copy): {copies}"
     assert r["kinds_per_layer"].get("gemm fusion (triton)") == 4, (r["kinds_per_layer"], _schedule(r))
+
+
+def test_decode_program_runs_one_attention_kernel_per_layer_on_gpu():
+    """A decode-only step of 128 sequences (token bucket 128 > 64, the bucket that holds max_num_seqs) runs its
+    bucket's decode program (runner decode_programs): one Mosaic attention call per layer, no select / transpose,
+    against two attention calls plus the merge in the same bucket's mixed program (Llama-3.1-8B shapes, sm_90,
+    compiled without a GPU)."""
+    got = {}
+    for program in ("decode", "mixed"):
+        (got[program],) = run_gpu_hlo_script("gpu_hlo_decode.py", "--layers", "3", "--batch", "128", "--ctx", "640",
+                                             "--variants", "split", "--no-thunks", "--quiet",
+                                             "--program", program)["variants"]
+    dec, mix = got["decode"], got["mixed"]
+    assert dec["bucket"] == mix["bucket"] == 128 and dec["decode_program"] and not mix["decode_program"]
+    attn = "attention (Mosaic GPU custom call)"
+    assert dec["kinds_per_layer"][attn] == 1, dec["kinds_per_layer"]
+    assert mix["kinds_per_layer"][attn] == 2, mix["kinds_per_layer"]
+    assert "_paged_attention_gpu" not in dec["sources_per_layer"], dec["sources_per_layer"]
+    assert dec["kernels_per_layer"] <= mix["kernels_per_layer"] - 3, (dec["kinds_per_layer"], mix["kinds_per_layer"])

@@ -92,8 +92,8 @@ class EngineConfig:
 
 # Tokens per step when EngineConfig.max_num_batched_tokens is None. GPU / TPU: 16384 (H100, Llama-8B shapes, 128
 # requests x (512 + 256): 7126 out tok/s at 16384, 6851 at 4096, 6432 at 512, same call; benchmarks/RESULTS.md
-# session 16); a larger chunk stalls running streams for one longer step. CPU: 512 (a step there is compute-bound at
-# a few hundred tokens).
+# session 16); a larger chunk stalls running streams for one longer step. CPU: 512, the earlier default for every
+# platform (not re-measured).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512}
 ACCELERATOR_MAX_NUM_BATCHED_TOKENS = 16384
 

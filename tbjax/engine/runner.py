@@ -321,10 +321,10 @@ class ModelRunner:
         post_sample: the step program takes the argmax and a small program per sampling-slot count draws the
         sampled rows, run only on steps that have one (None: on where the sampler is branchless, i.e. on GPU; the
         speculative roles sample inside the step).
-        decode_programs: buckets above ROWS_AS_DECODES_MAX_T up to max_num_seqs' get a second program for steps whose
-        sequences all have one token (decode-only steps): one attention kernel per layer instead of the decode and
-        the ragged kernel plus a select (None: on where the attention runs kernels; off for MLA, speculative roles
-        and deterministic mode, whose steps already run every row as a decode)."""
+        decode_programs: buckets above ROWS_AS_DECODES_MAX_T, up to the one holding max_num_seqs, get a second program
+        for steps whose sequences all have one token (decode-only steps): one attention kernel per layer instead of
+        the decode and the ragged kernel plus a select (None: on where the attention runs kernels; off for MLA,
+        speculative roles and deterministic mode, whose steps already run every row as a decode)."""
         if spec_role not in (None, "target", "draft"):
             raise ValueError(f"spec_role must be None, 'target' or 'draft', got {spec_role!r}")
         if post_sample is not None and not isinstance(post_sample, bool):

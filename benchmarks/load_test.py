@@ -783,8 +783,9 @@ def main(argv=None) -> dict:
                                 ("--max-num-batched-tokens", a.max_num_batched_tokens)) if v]
     if a.engine_process and not a.spawn:
         raise SystemExit("--engine-process needs --spawn")
-    if a.engine_process and a.spawn != "fake":   # two JAX processes share the device: no up-front grab
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if a.engine_process and a.spawn != "fake":   # two JAX processes share the device: no up-front grab, and each
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # sizes its KV pool from its own half
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")   # (the offline engine stays alive here)
     if fake_only and a.spawn != "fake":
         raise SystemExit(f"{', '.join(fake_only)}: only with --spawn fake")
     if a.client_processes < 1:
